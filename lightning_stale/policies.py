@@ -1,0 +1,180 @@
+"""Reset policies: decide, per parameter, when to reset which stored moments.
+
+A policy sees one :class:`ResetUnit` per parameter (its slots, the real optimizer steps since its last reset, the
+measured stall fractions of the current cycle) and answers :meth:`ResetPolicy.should_reset`. Override that method
+(as with Lightning's ``WeightAveraging.should_update``) for a custom rule.
+
+A reset happens after the optimizer step that completes the period: with ``PeriodicReset(5)`` after steps 5, 10, ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lightning_stale.adapters.base import MOMENTS, Moment
+from lightning_stale.theory import statistical_error
+
+if TYPE_CHECKING:
+    from lightning_stale.tracker import SlotRecord
+
+
+@dataclass(eq=False)
+class ResetUnit:
+    """Everything a policy may look at for one parameter."""
+
+    key: str
+    records: dict[str, SlotRecord]
+    age: int = 0
+    measured: int = 0
+    accumulator: float = 0.0
+    period: int | None = None
+    resets: int = 0
+    period_source: str = ""
+    last_reset_step: int = -1
+
+    @property
+    def param(self):  # noqa: ANN201 - a torch Parameter
+        return next(iter(self.records.values())).slot.param
+
+    def driver(self) -> SlotRecord | None:
+        """The slot whose staleness drives the decision: the second moment when there is one, else the first."""
+        by_moment = {r.moment: r for r in self.records.values()}
+        return by_moment.get("v") or by_moment.get("m")
+
+
+def _check_moments(moments: Sequence[str]) -> tuple[Moment, ...]:
+    if isinstance(moments, str) or not moments or any(m not in MOMENTS for m in moments):
+        raise ValueError(f"`moments` must be a non-empty tuple drawn from {MOMENTS}, got {moments!r}")
+    return tuple(dict.fromkeys(moments))  # type: ignore[arg-type]
+
+
+def _check_s0(s0: float) -> float:
+    if not isinstance(s0, (int, float)) or not 0.0 < s0 < 1.0:
+        raise ValueError(f"`s0` must be a float in (0, 1) (the paper uses 0.6), got {s0!r}")
+    return float(s0)
+
+
+class ResetPolicy:
+    """Base class. ``moments`` names the moments a reset restores; ``needs_sync`` says whether decisions depend on
+    per-rank measurements (then the callback reduces them across ranks so every rank resets at the same step)."""
+
+    needs_sync: bool = True
+    needs_measurement: bool = False
+
+    def __init__(self, moments: Sequence[str] = ("m", "v")) -> None:
+        self.moments = _check_moments(moments)
+
+    def configure(self, unit: ResetUnit) -> None:
+        """Called once when a parameter's state first appears (e.g. to choose its period)."""
+
+    def observe(self, unit: ResetUnit, stall_fraction: float) -> None:
+        """Called on measured steps with the driver slot's stall fraction of that step."""
+
+    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+        """Whether to reset ``unit`` now, after its ``unit.age``-th step since the last reset (global ``step``)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({args})"
+
+
+class PeriodicReset(ResetPolicy):
+    """Reset every ``every`` optimizer steps of each parameter."""
+
+    needs_sync = False
+
+    def __init__(self, every: int, moments: Sequence[str] = ("m", "v")) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"`every` must be a positive int (optimizer steps between resets), got {every!r}")
+        super().__init__(moments)
+        self.every = every
+
+    def configure(self, unit: ResetUnit) -> None:
+        unit.period, unit.period_source = self.every, "fixed"
+
+    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+        return unit.age >= self.every
+
+
+class TheoryReset(ResetPolicy):
+    """Reset at the theory-guided period K* (paper Prop. 5.2) of each parameter's driver slot.
+
+    K* comes from the slot's float format and beta, or, for grids that are not float formats (8-bit dynamic maps,
+    foreign layouts), from the generalized grid estimate on the stored values. Slots for which the theory predicts
+    no staleness worth a reset (fp32, or rho-hat < 1) are never reset.
+    """
+
+    needs_sync = False
+
+    def __init__(self, s0: float = 0.6, moments: Sequence[str] = ("m", "v")) -> None:
+        super().__init__(moments)
+        self.s0 = _check_s0(s0)
+
+    def configure(self, unit: ResetUnit) -> None:
+        from lightning_stale import predict
+
+        driver = unit.driver()
+        if driver is not None:
+            unit.period, unit.period_source = predict.reset_period_for(driver.slot, driver.index, self.s0)
+
+    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+        return unit.period is not None and unit.age >= unit.period
+
+
+class AdaptiveReset(ResetPolicy):
+    """Reset when the cycle-averaged excess staleness reaches the EMA's remaining statistical error (paper Alg. 2).
+
+    On every measured step ``A += max(0, (S - s0) / (1 - s0))`` with ``S`` the driver slot's stall fraction
+    (``P_ss := 1``), and the unit resets once ``A / n >= E(k)``, ``k`` its age, and ``k >= min_interval``.
+    """
+
+    needs_measurement = True
+
+    def __init__(self, s0: float = 0.6, min_interval: int = 50, moments: Sequence[str] = ("m", "v")) -> None:
+        if isinstance(min_interval, bool) or not isinstance(min_interval, int) or min_interval < 1:
+            raise ValueError(f"`min_interval` must be a positive int (optimizer steps), got {min_interval!r}")
+        super().__init__(moments)
+        self.s0 = _check_s0(s0)
+        self.min_interval = min_interval
+
+    def configure(self, unit: ResetUnit) -> None:
+        unit.period_source = "adaptive"
+
+    def observe(self, unit: ResetUnit, stall_fraction: float) -> None:
+        if math.isfinite(stall_fraction):
+            unit.accumulator += max(0.0, (stall_fraction - self.s0) / (1.0 - self.s0))
+            unit.measured += 1
+
+    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+        driver = unit.driver()
+        if driver is None or driver.slot.beta is None or unit.age < self.min_interval or unit.measured == 0:
+            return False
+        return unit.accumulator / unit.measured >= float(statistical_error(unit.age, driver.slot.beta))
+
+
+POLICY_NAMES = ("periodic", "theory", "adaptive")
+
+
+def make_policy(
+    reset: str | ResetPolicy | None, every: int | None, s0: float, min_interval: int, moments: Sequence[str]
+) -> ResetPolicy | None:
+    """Turn the callback's ``reset`` shortcut into a policy object (``None`` = monitor only)."""
+    if reset is None or isinstance(reset, ResetPolicy):
+        if every is not None and reset is None:
+            raise ValueError("`every` is only used with reset='periodic'; pass reset='periodic' or drop `every`")
+        return reset
+    if reset == "periodic":
+        if every is None:
+            raise ValueError("reset='periodic' needs `every` (a positive int number of optimizer steps)")
+        return PeriodicReset(every, moments)
+    if every is not None:
+        raise ValueError(f"`every` is only used with reset='periodic', not reset={reset!r}")
+    if reset == "theory":
+        return TheoryReset(s0, moments)
+    if reset == "adaptive":
+        return AdaptiveReset(s0, min_interval, moments)
+    raise ValueError(f"`reset` must be None, one of {POLICY_NAMES} or a ResetPolicy instance, got {reset!r}")

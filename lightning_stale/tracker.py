@@ -1,0 +1,221 @@
+"""Stall counting around one optimizer step, for every slot an adapter exposes.
+
+Definitions (per slot, per measured step):
+
+- **stalled**: the stored code did not change although the fp32 update was non-zero. Elements whose gradient was
+  exactly zero or non-finite are not counted (their update is zero, or the optimizer zeroes them); when the
+  optimizer hides its gradient, every element counts.
+- **underflow** (second moments): the stored value is exactly zero while the element's gradient was non-zero, the
+  precondition of the ``m / (sqrt(v) + eps)`` blow-up.
+- **drift**: on a fixed sample of elements an fp32 *shadow* EMA of the same gradients (same beta, reset together with
+  the state) is kept; drift is the median ratio stored/shadow for ``v`` and the relative L2 error for ``m``.
+
+``track="sample"`` compares a fixed random subset of up to ``sample_size`` elements per slot (cost and memory do not
+grow with model size); ``track="exact"`` compares every element. Drift always uses the sample.
+All counts stay on the device as tensors; nothing here forces a host sync.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from lightning_stale.adapters.base import OptimizerAdapter, Slot
+
+# Columns of the per-slot accumulator: stalled, counted, underflowed, underflow-counted (sampled), measured steps.
+STALLED, COUNTED, UNDERFLOW, UNDERFLOW_COUNTED, MEASURED = range(5)
+N_STATS = 5
+
+
+@dataclass(eq=False)
+class SlotRecord:
+    """Tracking state of one slot: its sample, the codes before the step, its shadow EMA and running sums."""
+
+    key: str
+    unit: str  # the parameter this slot belongs to: slots of one parameter are reset together
+    slot: Slot
+    index: Tensor
+    exact: bool
+    shadow: Tensor | None = None
+    prev: Tensor | None = None
+    totals: Tensor = field(default_factory=lambda: torch.zeros(N_STATS, dtype=torch.float64))
+    last_step: Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+    predicted_sum: float = 0.0  # sum over measured steps of the theory's stall prediction (filled by the callback)
+    predicted_n: int = 0
+
+    @property
+    def moment(self) -> str:
+        return self.slot.moment
+
+    def resync_shadow(self) -> None:
+        """Restart the shadow EMA from the stored value (exactly zero right after a full reset)."""
+        if self.slot.beta is not None:
+            self.shadow = self.slot.value_at(self.index).float().clone()
+
+
+def sample_index(key: str, numel: int, sample_size: int, seed: int) -> Tensor:
+    """A fixed, sorted set of up to ``sample_size`` flat indices, identical on every rank and after a resume."""
+    if numel <= sample_size:
+        return torch.arange(numel)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    return torch.unique(torch.randint(numel, (sample_size,), generator=gen))
+
+
+class StallTracker:
+    """Counts stalls, underflow and drift for every slot of one optimizer, step by step."""
+
+    def __init__(self, adapter: OptimizerAdapter, prefix: str, track: str, sample_size: int, seed: int) -> None:
+        self.adapter = adapter
+        self.prefix = prefix
+        self.exact = track == "exact"
+        self.sample_size = sample_size
+        self.seed = seed
+        self.records: dict[str, SlotRecord] = {}
+        self.restored: dict[str, dict] = {}  # shadow and totals from a checkpoint, adopted when the slot appears
+        self._param_index: dict[int, int] = {}
+        self._n_state = -1
+
+    # -- binding -------------------------------------------------------------------------------------------------
+    def unit_key(self, slot: Slot) -> str:
+        """A stable name for a slot's parameter: optimizer prefix and position in the param groups."""
+        return f"{self.prefix}.{self._param_index[id(slot.param)]}"
+
+    def slot_key(self, slot: Slot) -> str:
+        """A stable name for a slot: its parameter's name and the state key."""
+        return f"{self.unit_key(slot)}.{slot.key}"
+
+    def refresh(self, fresh_state: bool) -> list[SlotRecord]:
+        """Pick up slots created since the last call; returns the new records.
+
+        ``fresh_state`` says the new state was created by the step that just ran, so the shadow EMA starts from zero
+        (then takes this step's gradient); otherwise it starts from the stored value.
+        """
+        n_state = len(self.adapter.optimizer.state)
+        if n_state == self._n_state:
+            return []
+        self._n_state = n_state
+        self._param_index = {
+            id(p): i for i, p in enumerate(p for g in self.adapter.optimizer.param_groups for p in g["params"])
+        }
+        new = []
+        for slot in self.adapter.slots():
+            key = self.slot_key(slot)
+            if key in self.records and self.records[key].slot.codes().data_ptr() == slot.codes().data_ptr():
+                continue
+            old = self.records.get(key)
+            record = SlotRecord(key, self.unit_key(slot), slot, sample_index(key, slot.numel, self.sample_size, self.seed), self.exact)
+            saved = self.restored.pop(key, None)
+            if old is not None:  # same slot rebuilt (state reloaded): keep its history
+                record.totals, record.shadow = old.totals, old.shadow
+            elif saved is not None:
+                record.totals, record.shadow = saved["totals"].clone(), saved["shadow"]
+            elif slot.beta is not None and fresh_state:
+                record.shadow = torch.zeros(record.index.numel())
+            else:
+                record.resync_shadow()
+            self.records[key] = record
+            new.append(record)
+        return new
+
+    def rebind(self) -> None:
+        """Forget slot objects (optimizer state was reloaded or replaced); histories are kept by key."""
+        self._n_state = -1
+        for record in self.records.values():
+            record.prev = None
+
+    # -- the step --------------------------------------------------------------------------------------------------
+    def before_step(self, measure: bool) -> None:
+        """Snapshot codes that the step may change (only on measured steps)."""
+        self.refresh(fresh_state=False)
+        for record in self.records.values():
+            if not measure:
+                record.prev = None
+            elif record.exact:
+                record.prev = record.slot.codes().reshape(-1).clone()
+            else:
+                record.prev = record.slot.codes_at(record.index)
+
+    def after_step(self, measure: bool, builtin: dict | None) -> list[SlotRecord]:
+        """Update shadows with this step's gradients and, on measured steps, count stalls and underflow.
+
+        Returns the records measured on this step.
+        """
+        measured = []
+        fresh = self.refresh(fresh_state=True)
+        for record in fresh:
+            record.prev = None  # created by this step: nothing to compare against yet
+        for record in self.records.values():
+            slot = record.slot
+            grad = slot.grad_at(record.index)
+            if grad is None:
+                record.prev = None
+                continue
+            nonzero = torch.isfinite(grad) & (grad != 0)
+            if record.shadow is not None:
+                signal = grad if slot.signal == "g" else grad * grad
+                updated = torch.lerp(record.shadow, signal, 1.0 - slot.beta)
+                record.shadow = torch.where(nonzero, updated, record.shadow)
+            if record.prev is None:
+                continue
+            stats = torch.zeros(N_STATS, dtype=torch.float64)
+            counts = builtin.get((id(slot.param), slot.moment)) if builtin and not _is_split(slot) else None
+            if counts is not None:
+                stats[STALLED], stats[COUNTED] = counts[0], counts[1]
+            elif record.exact:
+                full = slot.param.grad.reshape(-1) if slot.param.grad.numel() == slot.numel else None
+                mask = (torch.isfinite(full) & (full != 0)) if full is not None else True
+                unchanged = slot.codes().reshape(-1) == record.prev
+                stats[STALLED] = (unchanged & mask).sum()
+                stats[COUNTED] = mask.sum() if full is not None else unchanged.numel()
+            else:
+                unchanged = slot.codes_at(record.index) == record.prev
+                stats[STALLED] = (unchanged & nonzero).sum()
+                stats[COUNTED] = nonzero.sum()
+            if slot.moment == "v":
+                stats[UNDERFLOW] = (slot.zero_code_mask_at(record.index) & nonzero).sum()
+                stats[UNDERFLOW_COUNTED] = nonzero.sum()
+            stats[MEASURED] = 1
+            record.totals += stats
+            record.last_step = stats[:2]
+            record.prev = None
+            measured.append(record)
+        return measured
+
+    # -- readouts ----------------------------------------------------------------------------------------------------
+    def drift(self, record: SlotRecord) -> Tensor | None:
+        """Median stored/shadow ratio for v, relative L2 error for m, on the sample (None without a shadow)."""
+        if record.shadow is None or record.index.numel() == 0:
+            return None
+        stored = record.slot.value_at(record.index).float()
+        if record.moment == "v":
+            ok = record.shadow > 0
+            if not bool(ok.any()):
+                return None
+            return (stored[ok] / record.shadow[ok]).median()
+        norm = record.shadow.norm()
+        return (stored - record.shadow).norm() / norm if norm > 0 else None
+
+
+def _is_split(slot: Slot) -> bool:
+    """Slots that view part of one state tensor (AdEMAMix's two EMAs) cannot use per-parameter built-in counts."""
+    return bool(slot.extra.get("split", False))
+
+
+class StallTotals(Metric):
+    """Element-weighted totals per moment, summed across steps and ranks (never averaging per-rank fractions)."""
+
+    full_state_update = False
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.add_state("totals", default=torch.zeros(n, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, values: Tensor) -> None:
+        self.totals += values.to(self.totals)
+
+    def compute(self) -> Tensor:
+        return self.totals
