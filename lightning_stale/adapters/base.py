@@ -111,3 +111,156 @@ class OptimizerAdapter(ABC):
     def describe(self) -> str:
         """One line for the fit-start summary."""
         return f"{type(self.optimizer).__name__} ({self.family})"
+
+    def stepped(self, params: Iterable[Tensor] | None = None) -> Iterable[tuple[dict, Tensor, dict]]:
+        """``(param_group, param, state)`` for every param with state (optionally only ``params``), read afresh from
+        ``optimizer.state`` each call so nothing stale survives ``load_state_dict``."""
+        chosen = None if params is None else {id(p) for p in params}
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if (chosen is None or id(p) in chosen) and p in state and len(state[p]) > 0:
+                    yield group, p, state[p]
+
+
+def resolve_moments(moments: Sequence[Moment] | None) -> frozenset[Moment]:
+    """Validate a ``moments`` argument (None = both) and return it as a set."""
+    if moments is None:
+        return frozenset(MOMENTS)
+    if isinstance(moments, str):
+        moments = (moments,)
+    bad = [m for m in moments if m not in MOMENTS]
+    if bad:
+        raise ValueError(f"moments must be a subset of {MOMENTS}, got {bad!r}")
+    return frozenset(moments)
+
+
+# -- concrete slot layouts shared by the built-in adapters ----------------------------------------------------------
+
+
+def _bit_view(tensor: Tensor) -> Tensor:
+    """The raw bits of a float tensor as an integer tensor of the same width (bitwise equality, NaN-safe)."""
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+    if tensor.dtype in bits:
+        return tensor.view(bits[tensor.dtype])
+    return tensor
+
+
+def float_ulp(values: Tensor) -> Tensor:
+    """Absolute spacing to the next representable value away from zero, in the values' own dtype, as fp32."""
+    mag = values.abs()
+    return (torch.nextafter(mag, torch.full_like(mag, float("inf"))) - mag).float()
+
+
+def fp8_e4m3_ulp(values: Tensor) -> Tensor:
+    """Spacing of ``float8_e4m3fn`` values away from zero (the largest finite value, 448, uses the gap below)."""
+    bits = values.view(torch.uint8) & 0x7F
+    up = torch.where(bits >= 0x7E, bits - 1, bits)
+    lo, hi = up.view(torch.float8_e4m3fn).float(), (up + 1).view(torch.float8_e4m3fn).float()
+    return hi - lo
+
+
+def map_gaps(qmap: Tensor) -> Tensor:
+    """Per map entry of a sorted value map: the gap to the neighbouring entry away from zero (toward zero at the ends)."""
+    gaps = qmap.diff()
+    above = torch.cat([gaps, gaps[-1:]])
+    below = torch.cat([gaps[:1], gaps])
+    return torch.where(qmap >= 0, above, below)
+
+
+FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
+@dataclass(eq=False, kw_only=True)
+class FloatSlot(Slot):
+    """A moment stored as a plain float tensor (torch.optim, 32-bit fallbacks): codes are its raw bits."""
+
+    tensor: Tensor
+
+    def codes(self) -> Tensor:
+        return _bit_view(self.tensor)
+
+    def value(self) -> Tensor:
+        return self.tensor.reshape(-1).float()
+
+    def spacing(self) -> Tensor | None:
+        return float_ulp(self.tensor.reshape(-1)) if self.tensor.is_floating_point() else None
+
+    def codes_at(self, index: Tensor) -> Tensor:
+        return _bit_view(self.tensor).reshape(-1)[index]
+
+    def value_at(self, index: Tensor) -> Tensor:
+        return self.tensor.reshape(-1)[index].float()
+
+
+@dataclass(eq=False, kw_only=True)
+class BlockQmapSlot(Slot):
+    """A moment stored as 8-bit indices into a 256-entry map, scaled per block: ``value = qmap[code] * scale[i // block]``.
+
+    ``stored`` is the uint8 code tensor (any shape), ``scale`` the flat per-block scales, ``qmap`` the shared map.
+    """
+
+    stored: Tensor
+    scale: Tensor
+    qmap: Tensor
+    block_size: int
+
+    def codes(self) -> Tensor:
+        return self.stored
+
+    def value(self) -> Tensor:
+        codes = self.codes().reshape(-1).long()
+        return self.qmap[codes] * self.scale.repeat_interleave(self.block_size)[: codes.numel()]
+
+    def codes_at(self, index: Tensor) -> Tensor:
+        return self.stored.reshape(-1)[index]
+
+    def value_at(self, index: Tensor) -> Tensor:
+        return self.qmap[self.codes_at(index).long()] * self.scale.reshape(-1)[index // self.block_size]
+
+    def spacing(self) -> Tensor | None:
+        from lightning_stale.formats.int8_dynamic import spacing_from_codes
+
+        return spacing_from_codes(self.codes().reshape(-1), self.scale.reshape(-1), self.qmap, self.block_size)
+
+
+@dataclass(eq=False, kw_only=True)
+class Packed4bitSlot(BlockQmapSlot):
+    """Like :class:`BlockQmapSlot` with two 4-bit codes per byte (high nibble first), as torchao's 4-bit states."""
+
+    def codes(self) -> Tensor:
+        packed = self.stored.reshape(-1)
+        return torch.stack([packed >> 4, packed & 0b1111], dim=-1).reshape(-1)
+
+    def codes_at(self, index: Tensor) -> Tensor:
+        byte = self.stored.reshape(-1)[index // 2]
+        return torch.where(index % 2 == 0, byte >> 4, byte & 0b1111)
+
+    def spacing(self) -> Tensor | None:
+        codes = self.codes().long()
+        return map_gaps(self.qmap)[codes] * self.scale.repeat_interleave(self.block_size)[: codes.numel()]
+
+
+@dataclass(eq=False, kw_only=True)
+class BlockFp8Slot(Slot):
+    """A moment stored as ``float8_e4m3fn`` values times a per-block scale (torchao AdamFp8)."""
+
+    stored: Tensor
+    scale: Tensor
+    block_size: int
+
+    def codes(self) -> Tensor:
+        return _bit_view(self.stored)
+
+    def value(self) -> Tensor:
+        return self.stored.reshape(-1).float() * self.scale.repeat_interleave(self.block_size)
+
+    def codes_at(self, index: Tensor) -> Tensor:
+        return _bit_view(self.stored).reshape(-1)[index]
+
+    def value_at(self, index: Tensor) -> Tensor:
+        return self.stored.reshape(-1)[index].float() * self.scale[index // self.block_size]
+
+    def spacing(self) -> Tensor | None:
+        return fp8_e4m3_ulp(self.stored.reshape(-1)) * self.scale.repeat_interleave(self.block_size)

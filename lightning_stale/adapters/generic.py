@@ -1,0 +1,73 @@
+"""The fallback adapter for optimizers nobody registered (``adapter_for(..., strict=False)``).
+
+It guesses: every floating or integer tensor with at least one dimension in ``optimizer.state[p]`` (except
+``step``) is a slot; keys that look like a second moment (``sq``, ``var``, ``nu``, ``second``) are "v", all others
+"m"; beta is unknown (None). The stall test is bitwise value equality. A reset zeroes the chosen tensors in place
+and, when both moments are reset, zeroes ``step`` (tensor or number). Nothing here knows the optimizer's grid or
+its bias correction, so prefer registering a real adapter.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_stale.adapters.base import FLOAT_FORMATS, FloatSlot, Moment, OptimizerAdapter, Slot, resolve_moments
+
+_SECOND_MOMENT = re.compile(r"sq|var|nu|second", re.IGNORECASE)
+
+
+def guess_moment(key: str) -> Moment:
+    """"v" for keys that look like a second moment, else "m"."""
+    return "v" if _SECOND_MOMENT.search(key) else "m"
+
+
+def _is_state_tensor(key: str, value: object) -> bool:
+    return (key != "step" and isinstance(value, Tensor) and value.dim() > 0
+            and (value.is_floating_point() or not (value.is_complex() or value.dtype == torch.bool)))
+
+
+class GenericAdapter(OptimizerAdapter):
+    """Every float/int tensor of the state is a slot, compared by value; reset zeroes in place."""
+
+    family = "generic"
+    exact_moment_reset = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        self._announced: set[str] = set()
+
+    def slots(self) -> list[Slot]:
+        out: list[Slot] = []
+        for _, p, state in self.stepped():
+            for key, value in state.items():
+                if _is_state_tensor(key, value):
+                    moment = guess_moment(key)
+                    fmt = FLOAT_FORMATS.get(value.dtype, str(value.dtype).removeprefix("torch."))
+                    out.append(FloatSlot(p, moment, None, fmt, key, signal="g" if moment == "m" else "g2",
+                                         tensor=value))
+        self._announce(out)
+        return out
+
+    def _announce(self, slots: list[Slot]) -> None:
+        new = sorted({f"{s.key}->{s.moment}" for s in slots} - self._announced)
+        if new:
+            self._announced.update(new)
+            warnings.warn(f"{type(self.optimizer).__name__}: generic adapter guessed the state slots {', '.join(new)} "
+                          "(value equality as the stall test, unknown grid and beta)", stacklevel=3)
+
+    def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
+        chosen = resolve_moments(moments)
+        for _, _, state in self.stepped(params):
+            for key, value in state.items():
+                if _is_state_tensor(key, value) and guess_moment(key) in chosen:
+                    value.zero_()
+            if chosen == {"m", "v"} and "step" in state:
+                if isinstance(state["step"], Tensor):
+                    state["step"].zero_()
+                else:
+                    state["step"] = 0

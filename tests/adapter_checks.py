@@ -1,0 +1,156 @@
+"""Shared checks for the optimizer-adapter tests: each takes a factory ``make(params) -> optimizer`` and runs real
+optimizer steps on CPU with fixed pseudo-random gradients."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_stale.adapters import adapter_for
+from lightning_stale.adapters.base import OptimizerAdapter
+
+MakeOpt = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def make_params(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype = torch.float32, seed: int = 0) -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype)) for s in shapes]
+
+
+def set_grads(params: Sequence[Tensor], seed: int, scale: float = 1.0) -> None:
+    gen = torch.Generator().manual_seed(1000 + seed)
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
+
+
+def run(opt: torch.optim.Optimizer, params: Sequence[Tensor], seeds: Sequence[int], scale: float = 1.0) -> None:
+    for s in seeds:
+        set_grads(params, s, scale)
+        opt.step()
+
+
+def state_tensors(opt: torch.optim.Optimizer, p: Tensor) -> dict[str, object]:
+    """A deep copy of the raw state of ``p`` (tensor subclasses flattened to their inner tensors)."""
+    out: dict[str, object] = {}
+    for key, value in opt.state[p].items():
+        if isinstance(value, Tensor) and hasattr(value, "__tensor_flatten__") and type(value) is not Tensor:
+            for name in value.__tensor_flatten__()[0]:
+                out[f"{key}.{name}"] = getattr(value, name).clone()
+        elif isinstance(value, Tensor):
+            out[key] = value.clone()
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def assert_same(a: object, b: object, what: str) -> None:
+    if isinstance(a, Tensor):
+        assert isinstance(b, Tensor) and a.dtype == b.dtype and a.shape == b.shape, what
+        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, b.view(torch.uint8)
+                           if b.dtype.itemsize == 1 else b), f"{what} differs"
+    else:
+        assert a == b, f"{what}: {a!r} != {b!r}"
+
+
+def assert_states_equal(opt_a, params_a, opt_b, params_b) -> None:
+    for i, (pa, pb) in enumerate(zip(params_a, params_b)):
+        assert torch.equal(pa, pb), f"param {i} differs"
+        sa, sb = state_tensors(opt_a, pa), state_tensors(opt_b, pb)
+        assert sa.keys() == sb.keys(), f"param {i} state keys {sa.keys()} != {sb.keys()}"
+        for key in sa:
+            assert_same(sa[key], sb[key], f"param {i} state {key}")
+
+
+def check_slot_reads(adapter: OptimizerAdapter) -> None:
+    """numel matches the parameter, and the sampled readers agree with the full ones."""
+    for slot in adapter.slots():
+        assert slot.numel == slot.param.numel() == slot.value().numel(), slot.key
+        index = torch.randint(slot.numel, (37,), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(slot.codes_at(index), slot.codes().reshape(-1)[index]), slot.key
+        assert torch.equal(slot.value_at(index), slot.value()[index]), slot.key
+        assert slot.value().dtype == torch.float32
+        assert torch.equal(slot.zero_code_mask_at(index), slot.value()[index] == 0)
+
+
+def check_codes_track_state(make: MakeOpt, params: list[nn.Parameter], raw: Callable[[dict, str], Tensor]) -> None:
+    """Over a real step, a slot's unchanged codes are exactly the unchanged raw stored values (read by ``raw``)."""
+    opt = make(params)
+    run(opt, params, [0, 1])
+    adapter = adapter_for(opt)
+    before = {_sid(s): s.codes().reshape(-1).clone() for s in adapter.slots()}
+    raw_before = {_sid(s): raw(state_tensors(opt, s.param), s.key).reshape(-1) for s in adapter.slots()}
+    set_grads(params, 2, scale=0.3)
+    opt.step()
+    changed_any = False
+    for slot in adapter.slots():
+        unchanged = slot.codes().reshape(-1) == before[_sid(slot)]
+        raw_unchanged = raw(state_tensors(opt, slot.param), slot.key).reshape(-1) == raw_before[_sid(slot)]
+        assert torch.equal(unchanged, raw_unchanged), slot.key
+        changed_any |= not bool(unchanged.all())
+    assert changed_any
+
+
+def _sid(slot) -> tuple[int, str]:
+    return id(slot.param), slot.key
+
+
+def check_full_reset_is_fresh(make: MakeOpt, params: list[nn.Parameter], n: int = 3, k: int = 3) -> None:
+    """Reset after ``n`` steps, then ``k`` steps == a fresh optimizer on copied params, bit for bit (params and
+    states)."""
+    opt = make(params)
+    run(opt, params, range(n))
+    adapter_for(opt).reset()
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    fresh = make(twins)
+    run(opt, params, range(10, 10 + k))
+    run(fresh, twins, range(10, 10 + k))
+    assert_states_equal(opt, params, fresh, twins)
+
+
+def check_partial_params(make: MakeOpt, params: list[nn.Parameter]) -> None:
+    """``reset(params=[p0])`` changes p0's state and no other parameter's."""
+    opt = make(params)
+    run(opt, params, range(3))
+    before = [state_tensors(opt, p) for p in params]
+    adapter_for(opt).reset(params=[params[0]])
+    after = [state_tensors(opt, p) for p in params]
+    assert before[0].keys() != after[0].keys() or any(
+        not torch.equal(before[0][k], after[0][k]) for k in before[0] if isinstance(before[0][k], Tensor))
+    for b, a in zip(before[1:], after[1:]):
+        for key in b:
+            assert_same(b[key], a[key], key)
+
+
+def check_survives_load(make: MakeOpt, params: list[nn.Parameter]) -> None:
+    """After ``load_state_dict`` the same adapter reads and resets the new state tensors."""
+    opt = make(params)
+    run(opt, params, range(2))
+    adapter = adapter_for(opt)
+    saved = copy.deepcopy(opt.state_dict())
+    old_slots = adapter.slots()
+    opt.load_state_dict(saved)
+    new_slots = adapter.slots()
+    assert len(new_slots) == len(old_slots) > 0
+    values = [slot.value().clone() for slot in old_slots]
+    adapter.reset()
+    for slot, value in zip(new_slots, values):
+        assert not torch.equal(slot.value(), value), f"{slot.key}: the loaded state was not reset"
+    for slot, value in zip(old_slots, values):
+        assert torch.equal(slot.value(), value), f"{slot.key}: a stale reference was reset"
+
+
+def first_update_ratio(make: MakeOpt, params: list[nn.Parameter], lr: float, reset: Callable[[torch.optim.Optimizer], None]) -> float:
+    """Largest |update| / lr of the step right after ``reset``, with the gradient of the last step repeated.
+
+    History: 20 steps with large gradients (so the kept m dwarfs the new gradient), then one small-gradient step."""
+    opt = make(params)
+    run(opt, params, range(20), scale=3.0)
+    set_grads(params, 99, scale=0.05)
+    opt.step()
+    reset(opt)
+    before = [p.detach().float().clone() for p in params]
+    opt.step()
+    return max(float(((p.detach().float() - b).abs() / lr).max()) for p, b in zip(params, before))
