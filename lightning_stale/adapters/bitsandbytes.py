@@ -1,0 +1,131 @@
+"""Adapter for bitsandbytes (>= 0.50) optimizers: 8-bit block-wise states and their 32-bit fallbacks.
+
+Layout (``optimizer.state[p]``, flat keys): ``step`` (Python int), ``state1``/``state2`` (uint8 codes, or float32
+for parameters below ``min_8bit_size`` or with an ``optim_bits=32`` override), ``absmax1``/``absmax2`` (per block of
+256), ``qmap1``/``qmap2`` (maps shared by every parameter: never written here). ``unorm_vec`` for LAMB/LARS.
+
+Moments seen, by kernel: adam/lamb ``state1`` -> m (beta1), ``state2`` -> v (beta2); ademamix ``state1[0]`` -> m
+(fast EMA, beta1), ``state1[1]`` -> m (slow EMA, beta3), ``state2`` -> v; lion ``state1`` -> m (beta2, the EMA it
+stores); momentum/lars ``state1`` -> m (not an EMA); rmsprop ``state1`` -> v (beta = alpha); adagrad ``state1`` ->
+v (a sum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import bitsandbytes as bnb
+import torch
+from torch import Tensor
+
+from lightning_stale.adapters.base import BlockQmapSlot, FloatSlot, Moment, OptimizerAdapter, Slot, resolve_moments
+from lightning_stale.adapters.restart import restarted_v, round_up_blockwise, round_up_float
+
+BLOCK = 256
+
+# kernel name -> ((state key, index into state1 or None, moment, betas index or None), ...)
+LAYOUTS: dict[str, tuple[tuple[str, int | None, Moment, int | None], ...]] = {
+    "adam": (("state1", None, "m", 0), ("state2", None, "v", 1)),
+    "lamb": (("state1", None, "m", 0), ("state2", None, "v", 1)),
+    "ademamix": (("state1", 0, "m", 0), ("state1", 1, "m", 2), ("state2", None, "v", 1)),
+    "lion": (("state1", None, "m", 1),),
+    "momentum": (("state1", None, "m", None),),
+    "lars": (("state1", None, "m", None),),
+    "rmsprop": (("state1", None, "v", 0),),
+    "adagrad": (("state1", None, "v", None),),
+}
+
+
+class BitsAndBytesAdapter(OptimizerAdapter):
+    """All ``bitsandbytes.optim`` optimizers (``Optimizer1State``/``Optimizer2State``, 8-bit, paged and 32-bit).
+
+    A full reset zeroes codes, absmax, ``unorm_vec`` and sets ``step = 0``: exactly what ``init_state`` creates.
+    Two-state optimizers share ``step``, so an m-only reset zeroes m and keeps ``step``, and a v-only reset writes
+    the safe restart of :mod:`.restart` (rounded up onto the grid). One-state optimizers reset exactly.
+    """
+
+    family = "bitsandbytes"
+    exact_moment_reset = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer.optimizer_name not in LAYOUTS:
+            raise TypeError(f"bitsandbytes optimizer kernel {optimizer.optimizer_name!r} is not supported; "
+                            f"supported: {sorted(LAYOUTS)}")
+        super().__init__(optimizer)
+        self.layout = LAYOUTS[optimizer.optimizer_name]
+
+    def _config(self, group: dict, p: Tensor) -> dict:
+        """The per-parameter config (``GlobalOptimManager`` overrides merged), as bitsandbytes' own step reads it."""
+        gindex = next(i for i, g in enumerate(self.optimizer.param_groups) if g is group)
+        pindex = next(i for i, q in enumerate(group["params"]) if q is p)
+        return self.optimizer.get_config(gindex, pindex, group)
+
+    def slots(self) -> list[Slot]:
+        out: list[Slot] = []
+        for group, p, state in self.stepped():
+            betas = self._config(group, p)["betas"]
+            for key, half, moment, beta_index in self.layout:
+                out.append(self._slot(p, state, key, half, moment, None if beta_index is None else betas[beta_index]))
+        return out
+
+    def _slot(self, p: Tensor, state: dict, key: str, half: int | None, moment: Moment, beta: float | None) -> Slot:
+        stored = state[key] if half is None else state[key][half]
+        name = key if half is None else f"{key}[{half}]"
+        signal = "g" if moment == "m" else "g2"
+        extra = {"split": half is not None}
+        if stored.dtype == torch.uint8:
+            n = key[-1]
+            scale = state[f"absmax{n}"] if half is None else state[f"absmax{n}"][half]
+            return BlockQmapSlot(p, moment, beta, "int8_dynamic", name, signal=signal, extra=extra, stored=stored,
+                                 scale=scale, qmap=state[f"qmap{n}"], block_size=BLOCK)
+        return FloatSlot(p, moment, beta, "fp32", name, signal=signal, extra=extra, tensor=stored)
+
+    def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
+        chosen = resolve_moments(moments)
+        present = {moment for _, _, moment, _ in self.layout}
+        chosen &= present
+        if not chosen:
+            return
+        for group, p, state in self.stepped(params):
+            if chosen == present:
+                for key in ("state1", "state2", "absmax1", "absmax2", "unorm_vec"):
+                    if key in state:
+                        state[key].zero_()
+                state["step"] = 0
+            elif chosen == {"m"}:
+                state["state1"].zero_()
+                if "absmax1" in state:
+                    state["absmax1"].zero_()
+            else:
+                self._restart_v(group, p, state)
+
+    def _restart_v(self, group: dict, p: Tensor, state: dict) -> None:
+        """Safe v-only restart for two-state kernels (see :mod:`lightning_stale.adapters.restart`)."""
+        step = state["step"]
+        if step == 0:
+            state["state2"].zero_()
+            if "absmax2" in state:
+                state["absmax2"].zero_()
+            return
+        config = self._config(group, p)
+        betas = config["betas"]
+        by_key = {s.key: s for s in (self._slot(p, state, k, h, m, None) for k, h, m, _ in self.layout)}
+        numerator = by_key["state1" if "state1" in by_key else "state1[0]"].value() / (1.0 - betas[0] ** step)
+        if "state1[1]" in by_key:
+            # AdEMAMix's numerator is m1_hat + alpha * m2. The slow m2 decays by beta3 > beta1, so it is weighted
+            # by beta3 / (beta1 * c1(t) / c1(t+1)): then |next numerator| <= s * (1 + alpha * (1 - beta3)) with the
+            # same next gradient, the size of a first AdEMAMix step.
+            beta1, beta3 = betas[0], betas[2]
+            decay1 = beta1 * (1.0 - beta1**step) / (1.0 - beta1 ** (step + 1))
+            slow = by_key["state1[1]"].value().abs() * (config["alpha"] * beta3 / decay1)
+            numerator = numerator.abs() + slow
+        target = restarted_v(numerator, p.grad, step, betas[1])
+        if state["state2"].dtype == torch.uint8:
+            codes, absmax = round_up_blockwise(target, state["qmap2"], BLOCK)
+            state["state2"].view(-1).copy_(codes)
+            state["absmax2"].copy_(absmax)
+        else:
+            state["state2"].view(-1).copy_(round_up_float(target, state["state2"].dtype))
+
+
+ADAPTERS = {bnb.optim.optimizer.Optimizer8bit: BitsAndBytesAdapter}
