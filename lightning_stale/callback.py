@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_stale import predict, theory
 import lightning_stale.adapters as adapters
 from lightning_stale.adapters.base import MOMENTS, Moment, OptimizerAdapter, Slot
-from lightning_stale.policies import ResetPolicy, ResetUnit, make_policy
+from lightning_stale.policies import ResetPolicy, ResetUnit, check_moments, make_policy
 from lightning_stale.tracker import (
     COUNTED,
     MEASURED,
@@ -52,7 +52,7 @@ ResetListener = Callable[[torch.optim.Optimizer, list[Slot]], None]
 class _Tracked:
     """What the callback keeps per optimizer."""
 
-    optimizer: torch.optim.Optimizer
+    source: torch.optim.Optimizer  # as the trainer holds it; the raw optimizer (hooked) is adapter.optimizer
     adapter: OptimizerAdapter
     tracker: StallTracker
     units: dict[str, ResetUnit] = field(default_factory=dict)
@@ -107,7 +107,7 @@ class StaleStateCallback(Callback):
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
         if not isinstance(log_key_prefix, str) or not log_key_prefix:
             raise ValueError(f"`log_key_prefix` must be a non-empty string, got {log_key_prefix!r}")
-        self.policy = make_policy(reset, every, s0, min_interval, moments)
+        self.policy = make_policy(reset, every, s0, min_interval, check_moments(moments))
         self.track = track
         self.sample_size = sample_size
         self.track_every = track_every
@@ -154,10 +154,10 @@ class StaleStateCallback(Callback):
         self._trainer = trainer
         self._param_names = {id(p): n for n, p in pl_module.named_parameters()}
         self._totals = self._totals.to("cpu")
-        optimizers = [_unwrap(opt) for opt in trainer.optimizers]
+        optimizers = [adapters.unwrap(opt) for opt in trainer.optimizers]
         if not optimizers:
             raise MisconfigurationException("StaleStateCallback needs at least one optimizer (none was configured)")
-        same = [t.optimizer for t in self._tracked] == optimizers
+        same = [t.source for t in self._tracked] == optimizers
         if not same or self._pending_state is not None:
             self._tracked = [self._track(i, opt) for i, opt in enumerate(optimizers)]
         for t in self._tracked:
@@ -166,8 +166,8 @@ class StaleStateCallback(Callback):
             self._restore(self._pending_state)
             self._pending_state = None
         for i, t in enumerate(self._tracked):
-            self._handles.append(t.optimizer.register_step_pre_hook(partial(self._before_step, t)))
-            self._handles.append(t.optimizer.register_step_post_hook(partial(self._after_step, t)))
+            self._handles.append(t.adapter.optimizer.register_step_pre_hook(partial(self._before_step, t)))
+            self._handles.append(t.adapter.optimizer.register_step_post_hook(partial(self._after_step, t)))
             t.tracker.refresh(fresh_state=False)
             self._adopt_new_units(t, fresh=False)
             rank_zero_info(f"[lightning_stale] optimizer {i}: {t.adapter.describe()}; policy: {self.policy!r}; "
@@ -283,9 +283,9 @@ class StaleStateCallback(Callback):
             unit.last_reset_step = step
         self.reset_events += 1
         for listener in self._listeners:
-            listener(t.optimizer, slots)
+            listener(t.adapter.optimizer, slots)
         if self._trainer is not None:
-            self.on_reset(self._trainer, t.optimizer, slots)
+            self.on_reset(self._trainer, t.adapter.optimizer, slots)
 
     # -- logging ---------------------------------------------------------------------------------------------------
     def _log(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -410,12 +410,3 @@ class StaleStateCallback(Callback):
         if periods:
             lines.append("[lightning_stale] reset periods: " + ", ".join(f"{k} x{n}" for k, n in periods.items()))
         return "\n".join(lines)
-
-
-def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    """The raw torch optimizer behind Lightning's or DeepSpeed-style wrappers."""
-    for attr in ("_optimizer", "optimizer"):
-        inner = getattr(optimizer, attr, None)
-        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
-            return _unwrap(inner)
-    return optimizer

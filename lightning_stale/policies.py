@@ -45,7 +45,7 @@ class ResetUnit:
         return by_moment.get("v") or by_moment.get("m")
 
 
-def _check_moments(moments: Sequence[str]) -> tuple[Moment, ...]:
+def check_moments(moments: Sequence[str]) -> tuple[Moment, ...]:
     if isinstance(moments, str) or not moments or any(m not in MOMENTS for m in moments):
         raise ValueError(f"`moments` must be a non-empty tuple drawn from {MOMENTS}, got {moments!r}")
     return tuple(dict.fromkeys(moments))  # type: ignore[arg-type]
@@ -65,7 +65,7 @@ class ResetPolicy:
     needs_measurement: bool = False
 
     def __init__(self, moments: Sequence[str] = ("m", "v")) -> None:
-        self.moments = _check_moments(moments)
+        self.moments = check_moments(moments)
 
     def configure(self, unit: ResetUnit) -> None:
         """Called once when a parameter's state first appears (e.g. to choose its period)."""
