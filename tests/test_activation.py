@@ -1,0 +1,72 @@
+"""Ways to switch the callback on without code: the callbacks_factory entry point and LightningCLI YAML."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_stale import StaleStateCallback
+from lightning_stale.factory import ENV_VAR, callbacks_from_env
+from lightning_stale.policies import AdaptiveReset, PeriodicReset, TheoryReset
+
+
+def stale_callbacks(trainer: L.Trainer) -> list[StaleStateCallback]:
+    return [cb for cb in trainer.callbacks if isinstance(cb, StaleStateCallback)]
+
+
+def test_entry_point_is_inactive_without_the_environment_variable(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert stale_callbacks(L.Trainer(default_root_dir=tmp_path, logger=False)) == []
+    monkeypatch.setenv(ENV_VAR, "0")
+    assert stale_callbacks(L.Trainer(default_root_dir=tmp_path, logger=False)) == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "policy_type"),
+    [("1", type(None)), ("theory", TheoryReset), ("adaptive", AdaptiveReset), ("periodic:250", PeriodicReset)],
+)
+def test_entry_point_adds_the_callback_when_the_variable_is_set(monkeypatch, tmp_path, spec, policy_type):
+    monkeypatch.setenv(ENV_VAR, spec)
+    found = stale_callbacks(L.Trainer(default_root_dir=tmp_path, logger=False))  # through the real entry point
+    assert len(found) == 1
+    assert isinstance(found[0].policy, policy_type)
+    if spec.startswith("periodic"):
+        assert found[0].policy.every == 250
+
+
+@pytest.mark.parametrize("spec", ["sometimes", "periodic", "periodic:0", "periodic:x"])
+def test_entry_point_rejects_an_unknown_spec_with_the_allowed_values(monkeypatch, spec):
+    monkeypatch.setenv(ENV_VAR, spec)
+    with pytest.raises(ValueError, match="theory, adaptive or periodic"):
+        callbacks_from_env()
+
+
+def test_lightning_cli_builds_the_callback_from_yaml(tmp_path):
+    config = tmp_path / "stale.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  logger: false\n"
+        "  callbacks:\n"
+        "    - class_path: lightning_stale.StaleStateCallback\n"
+        "      init_args:\n"
+        "        reset: periodic\n"
+        "        every: 300\n"
+        "        moments: [v]\n"
+        "        track: exact\n"
+    )
+    cli = LightningCLI(BoringModel, run=False, args=["--config", str(config)], save_config_callback=None)
+    (cb,) = stale_callbacks(cli.trainer)
+    assert isinstance(cb.policy, PeriodicReset) and cb.policy.every == 300 and cb.policy.moments == ("v",)
+    assert cb.track == "exact"
+
+
+def test_lightning_cli_rejects_a_bad_track_value_at_parse_time(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning_stale.StaleStateCallback\n"
+        "      init_args:\n        track: everything\n"
+    )
+    with pytest.raises(SystemExit):
+        LightningCLI(BoringModel, run=False, args=["--config", str(config)], save_config_callback=None)

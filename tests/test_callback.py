@@ -1,0 +1,275 @@
+"""StaleStateCallback inside real Lightning Trainers with real optimizers."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_stale import StaleStateCallback
+from lightning_stale.optim import QuantizedAdamW
+from lightning_stale.policies import AdaptiveReset, PeriodicReset, ResetPolicy, TheoryReset
+
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+
+
+def make_optimizer(kind: str, params):
+    if kind == "torch_bf16":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if kind == "torch_fp32":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if kind == "bnb":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=1e-3)
+    if kind == "torchao":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(params, lr=1e-3)
+    if kind.startswith("qadamw"):
+        _, fmt, *rounding = kind.split(":")
+        return QuantizedAdamW(params, lr=1e-3, state_format=fmt, rounding=rounding[0] if rounding else "nearest",
+                              min_quantized_size=256)
+    raise ValueError(kind)
+
+
+class Regression(L.LightningModule):
+    """Two linear layers (the first big enough for 8-bit state in every library) on a fixed random regression."""
+
+    def __init__(self, kind: str = "torch_fp32", width: int = 64) -> None:
+        super().__init__()
+        self.kind = kind
+        self.net = nn.Sequential(nn.Linear(32, width * 4), nn.ReLU(), nn.Linear(width * 4, 4))
+        if kind == "torch_bf16":
+            self.net = self.net.bfloat16()
+
+    def forward(self, x):
+        return self.net(x.to(self.net[0].weight.dtype)).float()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 32, generator=g)
+        y = torch.randn(256, 4, generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.kind, self.parameters())
+
+
+def fit(tmp_path: Path, model: L.LightningModule, callback: StaleStateCallback, steps: int = 20, **kwargs):
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_steps=steps, logger=CSVLogger(tmp_path), log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        callbacks=[callback], **kwargs,
+    )
+    trainer.fit(model)
+    return trainer
+
+
+def read_metrics(trainer: L.Trainer) -> list[dict[str, str]]:
+    path = Path(trainer.logger.log_dir) / "metrics.csv"
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def column(rows: list[dict[str, str]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r.get(key)]
+
+
+class ResetRecorder:
+    """Collects the global steps at which the callback reset something."""
+
+    def __init__(self, callback: StaleStateCallback) -> None:
+        self.steps: list[int] = []
+        self.callback = callback
+        callback.add_reset_listener(lambda opt, slots: self.steps.append(callback._trainer.global_step))
+
+
+KINDS = ["torch_bf16", "bnb", "qadamw:int8_dynamic", "qadamw:fp8_e4m3"] + (["torchao"] if HAS_TORCHAO else [])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_keys_reach_the_csv_logger_and_callback_metrics(tmp_path, kind):
+    trainer = fit(tmp_path, Regression(kind), StaleStateCallback(), steps=12)
+    rows = read_metrics(trainer)
+    for key in ("stale/v/frac", "stale/m/frac", "stale/frac", "stale/v/drift", "stale/v/underflow"):
+        values = column(rows, key)
+        assert values, f"{key} never logged for {kind}"
+        assert all(0.0 <= v <= 1.0 for v in values) or key == "stale/v/drift"
+    assert "stale/v/frac" in trainer.callback_metrics
+    if kind != "torch_fp32":
+        assert column(rows, "stale/v/predicted"), "no theory prediction for a low-precision v"
+
+
+class CloneCompare:
+    """Independent probe: snapshot every v state tensor before the step, count unchanged non-zero-grad elements."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, key: str) -> None:
+        self.key, self.before, self.fractions = key, {}, []
+        optimizer.register_step_pre_hook(self.pre)
+        optimizer.register_step_post_hook(self.post)
+
+    def pre(self, opt, args, kwargs):
+        self.before = {p: s[self.key].clone() for p, s in opt.state.items() if self.key in s}
+
+    def post(self, opt, args, kwargs):
+        stalled = counted = 0
+        for p, old in self.before.items():
+            mask = p.grad.reshape(-1) != 0
+            same = opt.state[p][self.key].reshape(-1) == old.reshape(-1)
+            stalled += int((same & mask).sum())
+            counted += int(mask.sum())
+        if self.before:
+            self.fractions.append(stalled / counted)
+
+
+class ProbedRegression(Regression):
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        self.probe = CloneCompare(opt, "exp_avg_sq" if self.kind == "torch_bf16" else "state2")
+        return opt
+
+
+@pytest.mark.parametrize("kind", ["torch_bf16", "bnb"])
+def test_exact_mode_equals_an_independent_clone_and_compare(tmp_path, kind):
+    model = ProbedRegression(kind)
+    trainer = fit(tmp_path, model, StaleStateCallback(track="exact"), steps=15)
+    logged = column(read_metrics(trainer), "stale/v/frac")
+    assert len(logged) == len(model.probe.fractions) == 14  # the first step has nothing to compare against
+    assert logged == pytest.approx(model.probe.fractions, abs=1e-6)
+    assert max(logged) > 0.0  # the comparison is not trivially all-moving
+
+
+def test_sample_mode_is_within_binomial_tolerance_of_exact(tmp_path):
+    exact = fit(tmp_path / "exact", Regression("bnb", width=256), StaleStateCallback(track="exact"), steps=30)
+    sample = fit(tmp_path / "sample", Regression("bnb", width=256), StaleStateCallback(sample_size=1024), steps=30)
+    e = column(read_metrics(exact), "stale/v/frac")
+    s = column(read_metrics(sample), "stale/v/frac")
+    assert len(e) == len(s)
+    # the last 10 steps: stall fraction well inside (0, 1); each sample has >= ~1000 elements per slot
+    for fe, fs in zip(e[-10:], s[-10:]):
+        sigma = (fe * (1 - fe) / 1024) ** 0.5
+        assert abs(fe - fs) <= 5 * sigma + 1e-3
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (PeriodicReset(5), [5, 10, 15, 20]),
+        (PeriodicReset(7, moments=("v",)), [7, 14]),
+    ],
+)
+def test_periodic_resets_happen_after_the_step_completing_the_period(tmp_path, policy, expected):
+    cb = StaleStateCallback(reset=policy)
+    recorder = ResetRecorder(cb)
+    fit(tmp_path, Regression("qadamw:fp8_e4m3"), cb, steps=20)
+    assert recorder.steps == expected
+    assert cb.reset_events == len(expected)
+
+
+def test_periodic_shortcut_and_reset_state_is_fresh(tmp_path):
+    cb = StaleStateCallback(reset="periodic", every=6)
+    model = Regression("qadamw:int8_dynamic")
+    fit(tmp_path, model, cb, steps=6)
+    opt = model.trainer.optimizers[0]
+    for p, state in opt.state.items():
+        for moment in ("m", "v"):
+            assert torch.count_nonzero(opt.moment_format(p, moment).dequantize(opt.moment_state(p, moment))) == 0
+        assert float(state["step_m"]) == 0 and float(state["step_v"]) == 0
+
+
+def test_theory_resets_at_the_theory_period(tmp_path):
+    from lightning_stale import theory
+
+    class ShortBeta(Regression):
+        def configure_optimizers(self):  # b2 = 0.9 makes fp8's K* short enough for a unit test
+            return QuantizedAdamW(self.parameters(), betas=(0.9, 0.9), state_format="fp8_e4m3", min_quantized_size=1)
+
+    k_star = theory.reset_period(theory.format_rho_hat("fp8_e4m3", 0.9), 0.9, 0.6)
+    assert 2 <= k_star <= 20
+    cb = StaleStateCallback(reset="theory")
+    recorder = ResetRecorder(cb)
+    fit(tmp_path, ShortBeta(), cb, steps=3 * k_star + 1)
+    assert recorder.steps == [k_star, 2 * k_star, 3 * k_star]
+    assert set(cb.reset_periods().values()) == {k_star}
+
+
+def test_adaptive_resets_a_stale_state_and_not_an_fp32_control(tmp_path):
+    stale = StaleStateCallback(reset=AdaptiveReset(min_interval=5))
+    fit(tmp_path / "stale", Regression("qadamw:fp8_e4m3"), stale, steps=60)
+    control = StaleStateCallback(reset=AdaptiveReset(min_interval=5))
+    fit(tmp_path / "fp32", Regression("qadamw:fp32"), control, steps=60)
+    assert stale.reset_events >= 1
+    assert control.reset_events == 0
+
+
+def test_custom_policy_decision_method_is_used(tmp_path):
+    class EveryThird(ResetPolicy):
+        needs_sync = False
+
+        def should_reset(self, unit, step):
+            return step % 3 == 0
+
+    cb = StaleStateCallback(reset=EveryThird(moments=("v",)))
+    recorder = ResetRecorder(cb)
+    fit(tmp_path, Regression("qadamw:bf16"), cb, steps=9)
+    assert recorder.steps == [3, 6, 9]
+
+
+def test_fitting_twice_does_not_double_register_hooks(tmp_path):
+    class CountHooks(Regression):
+        def training_step(self, batch, batch_idx):
+            self.hook_counts.append(len(self.trainer.optimizers[0]._optimizer_step_post_hooks))
+            return super().training_step(batch, batch_idx)
+
+    model = CountHooks("bnb")
+    model.hook_counts = []
+    cb = StaleStateCallback(track="exact")
+    fit(tmp_path / "a", model, cb, steps=5)
+    assert cb._handles == []  # removed at teardown
+    fit(tmp_path / "b", model, cb, steps=5)
+    assert model.hook_counts == [1] * 10
+    assert cb._handles == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"reset": "sometimes"}, "`reset` must be"),
+        ({"reset": "periodic"}, "needs `every`"),
+        ({"every": 5}, "`every` is only used"),
+        ({"reset": "theory", "every": 5}, "`every` is only used"),
+        ({"reset": "periodic", "every": 0}, "`every` must be a positive int"),
+        ({"track": "all"}, "`track` must be 'sample' or 'exact'"),
+        ({"sample_size": 0}, "`sample_size` must be a positive int"),
+        ({"track_every": -1}, "`track_every` must be a positive int"),
+        ({"moments": ("x",)}, "`moments` must be"),
+        ({"moments": "v"}, "`moments` must be"),
+        ({"reset": "theory", "s0": 1.5}, "`s0` must be"),
+        ({"reset": "adaptive", "min_interval": 0}, "`min_interval` must be"),
+        ({"log_key_prefix": ""}, "`log_key_prefix` must be"),
+    ],
+)
+def test_invalid_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StaleStateCallback(**kwargs)
+
+
+def test_policy_constructors_validate():
+    with pytest.raises(ValueError, match="`every`"):
+        PeriodicReset(2.5)
+    with pytest.raises(ValueError, match="`s0`"):
+        TheoryReset(s0=0)
+    with pytest.raises(ValueError, match="`moments`"):
+        AdaptiveReset(moments=())
