@@ -1,0 +1,143 @@
+"""CPU step time of AdamW variants on a ~10M-parameter MLP, as ratios to bitsandbytes AdamW8bit.
+
+Fixed random gradients, ``opt.step()`` only, median over ``--steps`` steps after ``--warmup`` warm-up steps. The first
+step (lazy state creation; torch.compile for torchao) is reported separately. Run:
+
+    .venv/bin/python benchmarks/optimizer_step.py --steps 20 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_stale.formats import get_format
+from lightning_stale.optim import QuantizedAdamW
+
+BASELINE = "bnb AdamW8bit"
+
+
+def make_model() -> torch.nn.Module:
+    """MLP 1024->2048->2048->1024->1536 (9.97M parameters; its biases are below the 4096 quantization threshold)."""
+    sizes = [1024, 2048, 2048, 1024, 1536]
+    return torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
+
+
+def optimizer_factories() -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
+    """Every optimizer to time, by display name; optional libraries are skipped when not importable."""
+    factories: dict[str, Callable] = {
+        "torch AdamW (foreach)": lambda p: torch.optim.AdamW(p, foreach=True),
+        "torch AdamW (fused)": lambda p: torch.optim.AdamW(p, fused=True),
+    }
+    try:
+        import bitsandbytes as bnb
+
+        factories[BASELINE] = lambda p: bnb.optim.AdamW8bit(p)
+    except ImportError:
+        pass
+    try:
+        from torchao.optim import AdamW8bit, AdamWFp8
+
+        factories["torchao AdamW8bit"] = lambda p: AdamW8bit(p)
+        factories["torchao AdamWFp8"] = lambda p: AdamWFp8(p)
+    except ImportError:
+        pass
+    for fmt in ("fp32", "bf16", "fp16", "fp8_e4m3", "fp4", "int8_dynamic"):
+        for rounding in ("nearest", "stochastic"):
+            factories[f"QuantizedAdamW {fmt} {rounding}"] = (
+                lambda p, f=fmt, r=rounding: QuantizedAdamW(p, state_format=f, rounding=r)
+            )
+    factories["QuantizedAdamW int8_dynamic nearest, no stall count"] = lambda p: QuantizedAdamW(
+        p, state_format="int8_dynamic", count_stalls=False
+    )
+    factories["QuantizedAdamW bf16 nearest, no stall count"] = lambda p: QuantizedAdamW(
+        p, state_format="bf16", count_stalls=False
+    )
+    return factories
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer state (tensor subclasses counted through their inner tensors);
+    maps shared by all parameters (bitsandbytes qmap) are counted once."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        inner = getattr(t, "__tensor_flatten__", None)
+        if inner is not None and type(t) is not torch.Tensor:
+            for name in inner()[0]:
+                add(getattr(t, name))
+            return
+        if t.data_ptr() in seen:
+            return
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                add(value)
+    return total
+
+
+def time_optimizer(factory: Callable, steps: int, warmup: int, seed: int = 0) -> tuple[float, float, float]:
+    """(first step seconds, median ms per later step, state bytes per parameter)."""
+    torch.manual_seed(seed)
+    model = make_model()
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer = factory(params)
+    start = time.perf_counter()
+    optimizer.step()
+    first = time.perf_counter() - start
+    for _ in range(warmup):
+        optimizer.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    numel = sum(p.numel() for p in params)
+    return first, statistics.median(times) * 1e3, state_bytes(optimizer) / numel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--only", default="", help="run only optimizers whose name contains this text")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    rows = []
+    for name, factory in optimizer_factories().items():
+        if args.only and args.only not in name and name != BASELINE:
+            continue
+        first, median_ms, bpp = time_optimizer(factory, args.steps, args.warmup)
+        rows.append((name, first, median_ms, bpp))
+        print(f"  {name}: {median_ms:.1f} ms", flush=True)
+
+    baseline = next((ms for name, _, ms, _ in rows if name == BASELINE), None)
+    numel = sum(p.numel() for p in make_model().parameters())
+    print(f"\n{numel / 1e6:.2f}M parameters, {args.threads} threads, median of {args.steps} steps after "
+          f"{args.warmup} warm-up steps, torch {torch.__version__}\n")
+    print("| Optimizer | Median ms/step | Ratio to bnb AdamW8bit | First step s | State bytes/param |")
+    print("|---|---|---|---|---|")
+    for name, first, median_ms, bpp in rows:
+        ratio = f"{median_ms / baseline:.2f}" if baseline else "n/a"
+        print(f"| {name} | {median_ms:.1f} | {ratio} | {first:.2f} | {bpp:.3f} |")
+    print("\nFormat storage (both moments, scales included, for a 4M-element tensor): " + ", ".join(
+        f"{name} {get_format(name, True).bytes_per_element(1 << 22) + get_format(name, False).bytes_per_element(1 << 22):.3f}"
+        for name in ("fp32", "bf16", "fp16", "fp8_e4m3", "fp4", "int8_dynamic")
+    ))
+
+
+if __name__ == "__main__":
+    main()

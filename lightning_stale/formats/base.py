@@ -1,0 +1,213 @@
+"""The state-format protocol: how one low-precision format stores an fp32 tensor and how coarse its grid is.
+
+A format turns an fp32 tensor into a :class:`QuantizedState` (codes plus optional scales), turns it back, and reports
+the absolute grid spacing at each stored value, which the stalling theory divides by the value to get the relative gap.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
+
+
+@dataclass(eq=False)
+class QuantizedState:
+    """Stored representation of one tensor: ``codes`` (format dtype), per-block or per-tensor ``scale`` (fp32) or
+    ``None``, and the original ``shape``."""
+
+    codes: Tensor
+    scale: Tensor | None
+    shape: torch.Size
+
+
+def check_rounding(rounding: str) -> None:
+    """Raise a ValueError naming the allowed values unless ``rounding`` is a known rounding mode."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+
+
+def uniform(like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Uniform [0, 1) fp32 noise shaped like ``like``, drawn from ``generator`` (a private one if None), never from
+    the global RNG."""
+    generator = generator or private_generator()
+    return torch.rand(like.shape, generator=generator, device=like.device, dtype=torch.float32)
+
+
+def private_generator() -> torch.Generator:
+    """A fresh CPU generator seeded from the OS, for callers that pass no generator (keeps the global RNG untouched)."""
+    generator = torch.Generator()
+    generator.seed()
+    return generator
+
+
+class StateFormat(ABC):
+    """One storage format for an optimizer moment.
+
+    Attributes:
+        name: the name in :data:`FORMAT_NAMES`.
+        signed: True for first moments (signed values), False for second moments (non-negative values).
+        block_size: elements sharing one scale, or None (no scale or a single per-tensor scale).
+        theory_name: the float format the stalling theory models (``"bf16"``, ``"fp4_e2m2"`` ...), None for grids
+            the theory does not cover (fp32, int8_dynamic).
+    """
+
+    name: str
+    signed: bool
+    block_size: int | None = None
+    theory_name: str | None = None
+
+    def __init__(self, signed: bool) -> None:
+        self.signed = bool(signed)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, signed={self.signed})"
+
+    @abstractmethod
+    def quantize(
+        self, x: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
+    ) -> QuantizedState:
+        """Store the fp32 tensor ``x`` (any shape) in this format."""
+
+    def quantize_into(
+        self, q: QuantizedState, x: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
+    ) -> None:
+        """Store ``x`` into the existing buffers of ``q`` in place (optimizer state must keep its tensors)."""
+        new = self.quantize(x, rounding, generator)
+        q.codes.copy_(new.codes)
+        if q.scale is not None:
+            q.scale.copy_(new.scale)
+
+    @abstractmethod
+    def dequantize(self, q: QuantizedState) -> Tensor:
+        """The fp32 values stored in ``q``, in the original shape."""
+
+    @abstractmethod
+    def spacing(self, q: QuantizedState) -> Tensor:
+        """Absolute grid spacing at each stored value (fp32, original shape): the distance from ``|value|`` to the next
+        larger representable magnitude, or to the next smaller one at the top of the range."""
+
+    @abstractmethod
+    def empty(self, shape: torch.Size | tuple[int, ...]) -> QuantizedState:
+        """A state that dequantizes to exactly zero (what a fresh optimizer stores)."""
+
+    @abstractmethod
+    def bytes_per_element(self, numel: int) -> float:
+        """Storage bytes per element of a tensor with ``numel`` elements, scales included."""
+
+    def zero_code(self) -> int | None:
+        """The per-element code value that stores an exact zero whatever the scale, or None if the grid has no zero."""
+        return 0
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    """Blocks needed for ``numel`` elements (the last one may be partial; an empty tensor still gets one)."""
+    return max(1, math.ceil(numel / block_size))
+
+
+def as_blocks(flat: Tensor, block_size: int) -> Tensor:
+    """``flat`` as a (num_blocks, block_size) tensor: a view when the blocks are full, else a zero-padded copy."""
+    n = flat.numel()
+    blocks = num_blocks(n, block_size)
+    if n == blocks * block_size:
+        return flat.view(blocks, block_size)
+    padded = flat.new_zeros(blocks * block_size)
+    padded[:n] = flat
+    return padded.view(blocks, block_size)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers for formats whose values lie on a small sorted grid (scaled per block): int8_dynamic and fp4.
+
+
+def nearest_thresholds(grid: Tensor) -> Tensor:
+    """For a sorted fp32 ``grid``, the smallest fp32 x of each gap that rounds up to the upper neighbour.
+
+    The rule is torchao's: round up iff ``x - lo >= (hi - lo) * 0.5`` evaluated in fp32. Precomputing the exact fp32
+    thresholds turns nearest rounding into one ``bucketize`` while reproducing torchao's codes bit for bit.
+    """
+    grid = grid.to(torch.float32)
+    lo, hi = grid[:-1], grid[1:]
+    half = (hi - lo) * 0.5
+    t = lo + half  # a first guess, then walk to the exact boundary of the fp32 predicate
+    inf = torch.tensor(float("inf"))
+    for _ in range(8):
+        up = (t - lo) >= half
+        below = torch.nextafter(t, -inf)
+        below_up = (below - lo) >= half
+        t = torch.where(up & below_up, below, torch.where(up, t, torch.nextafter(t, inf)))
+    if not (((t - lo) >= half).all() and ((torch.nextafter(t, -inf) - lo) < half).all()):
+        raise AssertionError("nearest_thresholds did not converge")
+    return t
+
+
+class GridRounder:
+    """Rounds fp32 values to a sorted grid with two small lookup tables instead of a binary search.
+
+    Values are bucketed by the top 16 bits of their fp32 pattern (a bf16-sized bucket, relative width <= 2^-7). The
+    grids used here are coarser than that, so a bucket holds at most one rounding boundary: the result is the code at
+    the bucket's low end, plus one when x reaches the boundary inside it. This is exact (the boundaries are the exact
+    fp32 thresholds) and runs as two table gathers and a compare.
+    """
+
+    def __init__(self, grid: Tensor) -> None:
+        self.grid = grid.to(torch.float32)
+        self.gaps = self.grid[1:] - self.grid[:-1]
+        self.thresholds = nearest_thresholds(self.grid)
+        self.nearest_base, self.nearest_step = self._tables(self.thresholds)
+        self.floor_base, self.floor_step = self._tables(self.grid[1:-1])  # floor index in [0, len - 2]
+
+    @staticmethod
+    def _tables(boundaries: Tensor) -> tuple[Tensor, Tensor]:
+        """Per bucket: the number of boundaries <= the bucket's smallest value, and the one boundary inside (or inf)."""
+        patterns = torch.arange(1 << 16, dtype=torch.int32) << 16
+        first = patterns.view(torch.float32)  # value of the bucket's pattern with low bits 0
+        last = (patterns | 0xFFFF).view(torch.float32)  # ... with low bits 1
+        low = torch.minimum(first, last)  # the smallest value in the bucket (negative buckets run backwards)
+        high = torch.maximum(first, last)
+        base = torch.bucketize(low, boundaries, right=True)
+        inside = torch.bucketize(high, boundaries, right=True) - base
+        finite = torch.isfinite(low) & torch.isfinite(high)
+        if (inside[finite] > 1).any():
+            raise ValueError("grid too fine for 16-bit bucket tables")
+        nxt = boundaries[base.clamp(max=boundaries.numel() - 1)]
+        step = torch.where(inside >= 1, nxt, torch.full_like(nxt, float("inf")))
+        return base.to(torch.int32), step
+
+    @staticmethod
+    def _lookup(x: Tensor, base: Tensor, step: Tensor) -> Tensor:
+        bucket = (x.view(torch.int32) >> 16) & 0xFFFF
+        return base[bucket] + (x >= step[bucket])
+
+    def __call__(self, x: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
+        """Grid index (int32) of each element of the contiguous fp32 ``x``. Nearest: torchao's rule. Stochastic: the
+        upper neighbour with probability (x - lo) / (hi - lo), unbiased for x inside [grid[0], grid[-1]] (values
+        outside are clamped to the ends)."""
+        x = x.contiguous()
+        if rounding == "nearest":
+            return self._lookup(x, self.nearest_base, self.nearest_step)
+        x = x.clamp(self.grid[0].item(), self.grid[-1].item())
+        lo = self._lookup(x, self.floor_base, self.floor_step)
+        return lo + ((x - self.grid[lo]) > uniform(x, generator).mul_(self.gaps[lo]))
+
+
+def grid_spacing_table(values: Tensor) -> Tensor:
+    """Ulp-convention spacing of every code of a code->value table (1-D): distance from |value| to the next larger
+    representable magnitude, or to the next smaller one at the top of the range; at zero, the smallest magnitude."""
+    values = values.to(torch.float64)
+    mags = torch.unique(values.abs())  # sorted ascending
+    positive = mags[mags > 0]
+    table = torch.empty_like(values)
+    for code, value in enumerate(values.tolist()):
+        a = abs(value)
+        if a == 0:
+            table[code] = positive[0]
+            continue
+        larger = mags[mags > a]
+        table[code] = (larger[0] - a) if larger.numel() else (a - mags[mags < a][-1])
+    return table.to(torch.float32)

@@ -1,0 +1,114 @@
+"""Plain floating-point state formats: fp32 (the reference, no rounding), bf16 and fp16 (no scale)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_stale.formats.base import QuantizedState, StateFormat, check_rounding, private_generator, uniform
+
+
+def float_ulp(a: Tensor, mantissa_bits: int, min_exponent: int) -> Tensor:
+    """Spacing of a binary float grid at magnitudes ``a`` (fp32, >= 0): 2^(max(e, emin) - p) where a = m * 2^e, m in
+    [1, 2). This is the distance to the next larger magnitude (and, below the top binade boundary, to the next
+    smaller one); at 0 it is the smallest subnormal."""
+    _, e = torch.frexp(a)
+    e = (e - 1).clamp_(min=min_exponent) - mantissa_bits
+    return torch.ldexp(torch.ones_like(a), e)
+
+
+def stochastic_round_float(
+    x: Tensor, mantissa_bits: int, min_exponent: int, max_value: float, generator: torch.Generator | None
+) -> Tensor:
+    """Round fp32 ``x`` to a float grid (p mantissa bits, min normal exponent, saturating at ``max_value``) with
+    stochastic rounding: away from zero with probability (|x| - lower) / ulp. Returns fp32 values on the grid."""
+    a = x.abs().clamp_(max=max_value)
+    u = float_ulp(a, mantissa_bits, min_exponent)
+    lower = torch.floor(a / u).mul_(u)  # exact: u is a power of two
+    rounded = lower + u * ((a - lower) > uniform(a, generator) * u)
+    return torch.copysign(rounded, x)
+
+
+class FloatFormat(StateFormat):
+    """A native torch float dtype used as storage, saturating at its largest finite value."""
+
+    dtype: torch.dtype
+    mantissa_bits: int
+    min_exponent: int
+
+    def __init__(self, signed: bool) -> None:
+        super().__init__(signed)
+        self.max_value = float(torch.finfo(self.dtype).max)
+
+    def quantize(
+        self, x: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
+    ) -> QuantizedState:
+        check_rounding(rounding)
+        x = x.detach().to(torch.float32)
+        return QuantizedState(self._round(x, rounding, generator), None, x.shape)
+
+    def _round(self, x: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
+        if rounding == "nearest":
+            return x.clamp(-self.max_value, self.max_value).to(self.dtype)
+        return stochastic_round_float(x, self.mantissa_bits, self.min_exponent, self.max_value, generator).to(self.dtype)
+
+    def dequantize(self, q: QuantizedState) -> Tensor:
+        return q.codes.to(torch.float32, copy=True).reshape(q.shape)
+
+    def spacing(self, q: QuantizedState) -> Tensor:
+        return float_ulp(self.dequantize(q).abs(), self.mantissa_bits, self.min_exponent)
+
+    def empty(self, shape: torch.Size | tuple[int, ...]) -> QuantizedState:
+        return QuantizedState(torch.zeros(shape, dtype=self.dtype), None, torch.Size(shape))
+
+    def bytes_per_element(self, numel: int) -> float:
+        return float(torch.finfo(self.dtype).bits // 8)
+
+    def element_codes(self, q: QuantizedState) -> Tensor:
+        """The stored bit patterns as integers, one per element (equal iff the stored value is unchanged)."""
+        bits = torch.finfo(self.dtype).bits
+        int_dtype = {32: torch.int32, 16: torch.int16, 8: torch.uint8}[bits]
+        return q.codes.view(int_dtype).reshape(-1)
+
+
+class Fp32Format(FloatFormat):
+    """fp32 storage: the reference, stores values unchanged."""
+
+    name = "fp32"
+    dtype = torch.float32
+    mantissa_bits = 23
+    min_exponent = -126
+
+    def _round(self, x: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
+        return x.clone()
+
+
+class Bf16Format(FloatFormat):
+    """bfloat16 storage (8 exponent bits, 7 mantissa bits, same range as fp32)."""
+
+    name = "bf16"
+    theory_name = "bf16"
+    dtype = torch.bfloat16
+    mantissa_bits = 7
+    min_exponent = -126
+
+    def _round(self, x: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
+        if rounding == "nearest":
+            return x.to(torch.bfloat16)
+        # Add a random 16-bit integer to the fp32 bit pattern and drop the low 16 bits: rounds away from zero with
+        # probability (low bits) / 2^16, exactly the stochastic-rounding probability (torchao's _fp32_to_bf16_sr).
+        x = x.clamp(-self.max_value, self.max_value)
+        noise = torch.randint(0, 1 << 16, x.shape, generator=generator or private_generator(), dtype=torch.int32)
+        bits = x.view(torch.int32).add_(noise).bitwise_and_(-65536)
+        return bits.view(torch.float32).to(torch.bfloat16)
+
+
+class Fp16Format(FloatFormat):
+    """IEEE half storage (5 exponent bits, 10 mantissa bits, max 65504; saturates instead of overflowing)."""
+
+    name = "fp16"
+    theory_name = "fp16"
+    dtype = torch.float16
+    mantissa_bits = 10
+    min_exponent = -14
+

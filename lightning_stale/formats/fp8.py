@@ -1,0 +1,50 @@
+"""FP8 E4M3 storage with one fp32 scale per tensor (the paper's FP8): codes = x / scale with scale = max|x| / 448."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_stale.formats.base import QuantizedState, StateFormat, check_rounding
+from lightning_stale.formats.floats import float_ulp, stochastic_round_float
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+FP8_MANTISSA_BITS = 3
+FP8_MIN_EXPONENT = -6
+
+
+class Fp8E4M3Format(StateFormat):
+    """``float8_e4m3fn`` codes scaled so the tensor's largest magnitude maps to 448."""
+
+    name = "fp8_e4m3"
+    theory_name = "fp8_e4m3"
+
+    def quantize(
+        self, x: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
+    ) -> QuantizedState:
+        check_rounding(rounding)
+        x = x.detach().to(torch.float32)
+        amax = x.abs().amax() if x.numel() else x.new_zeros(())
+        scale = (amax / FP8_MAX).clamp(min=1e-12).reshape(1)
+        scaled = (x / scale).clamp_(-FP8_MAX, FP8_MAX)
+        if rounding == "stochastic":
+            scaled = stochastic_round_float(scaled, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, FP8_MAX, generator)
+        return QuantizedState(scaled.to(FP8_DTYPE), scale, x.shape)
+
+    def dequantize(self, q: QuantizedState) -> Tensor:
+        return (q.codes.to(torch.float32) * q.scale).reshape(q.shape)
+
+    def spacing(self, q: QuantizedState) -> Tensor:
+        stored = q.codes.to(torch.float32).abs()
+        return (float_ulp(stored, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT) * q.scale).reshape(q.shape)
+
+    def empty(self, shape: torch.Size | tuple[int, ...]) -> QuantizedState:
+        return QuantizedState(torch.zeros(shape, dtype=FP8_DTYPE), torch.zeros(1), torch.Size(shape))
+
+    def bytes_per_element(self, numel: int) -> float:
+        return 1.0 + 4.0 / max(numel, 1)
+
+    def element_codes(self, q: QuantizedState) -> Tensor:
+        """The stored bytes, one per element (equal iff the stored code is unchanged)."""
+        return q.codes.view(torch.uint8).reshape(-1)
