@@ -66,5 +66,6 @@ def round_up_fp8_blockwise(target: Tensor, block_size: int) -> tuple[Tensor, Ten
     normalized = blocks / scale.unsqueeze(1)
     codes = normalized.to(fp8)
     bits = codes.view(torch.uint8)
-    bumped = torch.where(codes.float() < normalized, bits + 1, bits)
+    top = 0x7E  # 448, the largest finite e4m3fn value; the block maximum may exceed it by rounding, never bump past
+    bumped = torch.where((codes.float() < normalized) & (bits < top), bits + 1, bits)
     return bumped.view(fp8).reshape(target.shape), scale

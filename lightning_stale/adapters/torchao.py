@@ -1,0 +1,138 @@
+"""Adapter for torchao's low-bit Adam/AdamW (``torchao.optim``): 8-bit, 4-bit, FP8 and plain fallbacks.
+
+Layout (``optimizer.state[p]``): ``step`` (0-d float tensor), ``exp_avg`` -> m (beta1), ``exp_avg_sq`` -> v (beta2),
+``max_exp_avg_sq`` with amsgrad (not a slot, reset with v). Each buffer is one of
+
+- ``OptimState8bit``: uint8 ``codes`` into torchao's 256-entry dynamic map ``qmap`` (same map as bitsandbytes),
+  per-block ``scale`` (block 256) -> format ``"int8_dynamic"``;
+- ``OptimState4bit``: two 4-bit codes per byte (high nibble first), block 128. m uses a 16-entry signed dynamic map
+  (3 exponent bits, zero at index 7) -> ``"torchao_4bit_dynamic"``; v a *linear* map without zero (1/16 ... 1) ->
+  ``"torchao_4bit_linear_nozero"`` (not E2M2);
+- ``OptimStateFp8``: ``float8_e4m3fn`` codes times a per-block scale (block max / 448) -> ``"fp8_e4m3"``;
+- a plain tensor in the parameter's dtype (parameters with < 4096 elements or not a multiple of the block).
+
+``lr`` and ``step`` are tensors that the compiled step reads; they are edited only in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torchao.optim.adam import _AdamBase
+from torchao.optim.subclass_4bit import OptimState4bit
+from torchao.optim.subclass_8bit import OptimState8bit
+from torchao.optim.subclass_fp8 import OptimStateFp8
+
+from lightning_stale.adapters.base import (
+    FLOAT_FORMATS,
+    BlockFp8Slot,
+    BlockQmapSlot,
+    FloatSlot,
+    Moment,
+    OptimizerAdapter,
+    Packed4bitSlot,
+    Slot,
+    resolve_moments,
+)
+from lightning_stale.adapters.restart import (
+    restarted_v,
+    round_up_blockwise,
+    round_up_float,
+    round_up_fp8_blockwise,
+)
+
+KEYS: tuple[tuple[str, Moment, int], ...] = (("exp_avg", "m", 0), ("exp_avg_sq", "v", 1))
+
+
+def buffer_slot(p: Tensor, buf: Tensor, key: str, moment: Moment, beta: float) -> Slot:
+    """The slot reading one torchao state buffer, whatever its storage."""
+    signal = "g" if moment == "m" else "g2"
+    if isinstance(buf, OptimState8bit):
+        return BlockQmapSlot(p, moment, beta, "int8_dynamic", key, signal=signal, stored=buf.codes,
+                             scale=buf.scale, qmap=buf.qmap, block_size=buf.block_size)
+    if isinstance(buf, OptimState4bit):
+        fmt = "torchao_4bit_dynamic" if buf.signed else "torchao_4bit_linear_nozero"
+        return Packed4bitSlot(p, moment, beta, fmt, key, signal=signal, stored=buf.codes, scale=buf.scale,
+                              qmap=buf.qmap, block_size=buf.block_size)
+    if isinstance(buf, OptimStateFp8):
+        return BlockFp8Slot(p, moment, beta, "fp8_e4m3", key, signal=signal, stored=buf.codes, scale=buf.scale,
+                            block_size=buf.block_size)
+    return FloatSlot(p, moment, beta, FLOAT_FORMATS.get(buf.dtype, str(buf.dtype)), key, signal=signal, tensor=buf)
+
+
+def zero_buffer(buf: Tensor) -> None:
+    """Zero a state buffer in place, as ``_new_buffer`` creates it (codes and scale zero)."""
+    if isinstance(buf, (OptimState8bit, OptimState4bit, OptimStateFp8)):
+        buf.codes.zero_()
+        buf.scale.zero_()
+    else:
+        buf.zero_()
+
+
+def write_rounded_up(buf: Tensor, target: Tensor) -> None:
+    """Store non-negative fp32 ``target`` into ``buf`` in place, each value rounded up onto the buffer's grid."""
+    if isinstance(buf, OptimState8bit):
+        codes, absmax = round_up_blockwise(target, buf.qmap, buf.block_size)
+        buf.codes.view(-1).copy_(codes)
+        buf.scale.copy_(absmax.clip(1e-12))
+    elif isinstance(buf, OptimState4bit):
+        codes, absmax = round_up_blockwise(target, buf.qmap, buf.block_size)
+        buf.codes.copy_((codes[0::2] << 4) | codes[1::2])
+        buf.scale.copy_(absmax.clip(1e-12))
+    elif isinstance(buf, OptimStateFp8):
+        codes, scale = round_up_fp8_blockwise(target.reshape(-1), buf.block_size)
+        buf.codes.view(-1).copy_(codes)
+        buf.scale.copy_(scale)
+    else:
+        buf.copy_(round_up_float(target, buf.dtype).reshape(buf.shape))
+
+
+class TorchAOAdapter(OptimizerAdapter):
+    """``torchao.optim`` Adam8bit/AdamW8bit/Adam4bit/AdamW4bit/AdamFp8/AdamWFp8 (and ``_AdamW``).
+
+    One ``step`` tensor serves both moments: a full reset (codes, scales and ``step`` zeroed in place) is exact;
+    an m-only reset zeroes m and keeps ``step``; a v-only reset writes the safe restart of :mod:`.restart`.
+    """
+
+    family = "torchao"
+    exact_moment_reset = False
+
+    def slots(self) -> list[Slot]:
+        out: list[Slot] = []
+        for group, p, state in self.stepped():
+            for key, moment, beta_index in KEYS:
+                out.append(buffer_slot(p, state[key], key, moment, group["betas"][beta_index]))
+        return out
+
+    def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
+        chosen = resolve_moments(moments)
+        for group, p, state in self.stepped(params):
+            if chosen == {"m", "v"}:
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    if key in state:
+                        zero_buffer(state[key])
+                state["step"].zero_()
+            elif chosen == {"m"}:
+                zero_buffer(state["exp_avg"])
+            else:
+                self._restart_v(group, p, state)
+
+    def _restart_v(self, group: dict, p: Tensor, state: dict) -> None:
+        step = int(state["step"])
+        if step == 0:
+            zero_buffer(state["exp_avg_sq"])
+            return
+        beta1, beta2 = group["betas"]
+        m_hat = buffer_slot(p, state["exp_avg"], "exp_avg", "m", beta1).value() / (1.0 - beta1**step)
+        grad = p.grad
+        if grad is not None and group["weight_decay"] != 0 and not self.optimizer.is_adamw:
+            grad = grad.float() + group["weight_decay"] * p.detach().float()
+        target = restarted_v(m_hat, None if grad is None else grad.reshape(-1), step, beta2)
+        for key in ("exp_avg_sq", "max_exp_avg_sq"):
+            if key in state:
+                write_rounded_up(state[key], target)
+
+
+ADAPTERS = {_AdamBase: TorchAOAdapter}
