@@ -74,6 +74,21 @@ def check_slot_reads(adapter: OptimizerAdapter) -> None:
         assert torch.equal(slot.value_at(index), slot.value()[index]), slot.key
         assert slot.value().dtype == torch.float32
         assert torch.equal(slot.zero_code_mask_at(index), slot.value()[index] == 0)
+        if hasattr(slot, "qmap"):
+            check_map_spacing(slot, index)
+
+
+def check_map_spacing(slot, index: Tensor) -> None:
+    """Ulp convention, checked by brute force over the map: the distance from |value| to the next larger magnitude
+    on the element's block grid (to the next smaller one at the top)."""
+    spacing = slot.spacing().reshape(-1)
+    for i in index[:8].tolist():
+        scale = float(slot.scale.reshape(-1)[i // slot.block_size])
+        mags = torch.unique((slot.qmap.double() * scale).abs())
+        a = abs(float(slot.value()[i]))
+        larger = mags[mags > a * (1 + 1e-6)]
+        expected = float(larger[0]) - a if larger.numel() else a - float(mags[mags < a * (1 - 1e-6)][-1])
+        assert abs(float(spacing[i]) - expected) <= 1e-5 * max(expected, 1e-30) + 1e-12, (slot.key, i)
 
 
 def check_codes_track_state(make: MakeOpt, params: list[nn.Parameter], raw: Callable[[dict, str], Tensor]) -> None:

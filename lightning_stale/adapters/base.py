@@ -104,8 +104,9 @@ class OptimizerAdapter(ABC):
         """Reset the chosen moments (None = all) of the chosen params (None = all) in place, bias-correction age
         included, to the state a freshly constructed optimizer would have."""
 
-    def builtin_stall_counts(self) -> dict[tuple[int, Moment], tuple[int, int]] | None:
-        """Per ``(id(param), moment)``: (stalled, counted) of the last step, when the optimizer counts them itself."""
+    def builtin_stall_counts(self) -> dict[tuple[int, Moment], tuple[Tensor, Tensor]] | None:
+        """Per ``(id(param), moment)``: (stalled, counted) 0-d tensors of the last step, when the optimizer counts
+        them itself."""
         return None
 
     def describe(self) -> str:
@@ -159,14 +160,6 @@ def fp8_e4m3_ulp(values: Tensor) -> Tensor:
     up = torch.where(bits >= 0x7E, bits - 1, bits)
     lo, hi = up.view(torch.float8_e4m3fn).float(), (up + 1).view(torch.float8_e4m3fn).float()
     return hi - lo
-
-
-def map_gaps(qmap: Tensor) -> Tensor:
-    """Per map entry of a sorted value map: the gap to the neighbouring entry away from zero (toward zero at the ends)."""
-    gaps = qmap.diff()
-    above = torch.cat([gaps, gaps[-1:]])
-    below = torch.cat([gaps[:1], gaps])
-    return torch.where(qmap >= 0, above, below)
 
 
 FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -231,15 +224,18 @@ class Packed4bitSlot(BlockQmapSlot):
 
     def codes(self) -> Tensor:
         packed = self.stored.reshape(-1)
-        return torch.stack([packed >> 4, packed & 0b1111], dim=-1).reshape(-1)
+        return torch.stack([packed >> 4, packed & 0b1111], dim=-1).reshape(-1)[: self.param.numel()]
 
     def codes_at(self, index: Tensor) -> Tensor:
         byte = self.stored.reshape(-1)[index // 2]
         return torch.where(index % 2 == 0, byte >> 4, byte & 0b1111)
 
     def spacing(self) -> Tensor | None:
+        from lightning_stale.formats.base import grid_spacing_table
+
         codes = self.codes().long()
-        return map_gaps(self.qmap)[codes] * self.scale.repeat_interleave(self.block_size)[: codes.numel()]
+        table = grid_spacing_table(self.qmap.detach().float().cpu()).to(codes.device)
+        return table[codes] * self.scale.repeat_interleave(self.block_size)[: codes.numel()]
 
 
 @dataclass(eq=False, kw_only=True)

@@ -1,0 +1,106 @@
+"""The QuantizedAdamW adapter: slots in every state format, exact per-moment resets, built-in stall counts."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from adapter_checks import (
+    check_codes_track_state,
+    check_full_reset_is_fresh,
+    check_partial_params,
+    check_slot_reads,
+    check_survives_load,
+    make_params,
+    run,
+    set_grads,
+)
+from lightning_stale.adapters import adapter_for
+from lightning_stale.formats.fp4 import unpack
+from lightning_stale.optim import QuantizedAdamW
+
+SHAPES = [(64, 64), (16,)]  # 4096 elements: stored in the format; 16: below min_quantized_size, fp32
+FORMATS = ["int8_dynamic", "fp4", "fp8_e4m3", "bf16"]
+
+
+def _make(fmt: str):
+    return functools.partial(QuantizedAdamW, lr=1e-3, state_format=fmt)
+
+
+def _raw(fmt: str):
+    """Independent reader of one stored code per element."""
+
+    def read(state: dict, key: str) -> torch.Tensor:
+        codes = state[key]
+        if codes.numel() * 2 == 4096 and fmt == "fp4":
+            return unpack(codes, 4096)
+        return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
+
+    return read
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_slots_reads_and_format_dequantization(fmt: str) -> None:
+    params = make_params(SHAPES)
+    opt = _make(fmt)(params)
+    run(opt, params, range(2))
+    adapter = adapter_for(opt)
+    slots = adapter.slots()
+    assert adapter.exact_moment_reset
+    assert [(s.param, s.moment, s.format) for s in slots] == [
+        (params[0], "m", fmt), (params[0], "v", fmt), (params[1], "m", "fp32"), (params[1], "v", "fp32")]
+    check_slot_reads(adapter)
+    for slot in slots:
+        f, q = opt.moment_format(slot.param, slot.moment), opt.moment_state(slot.param, slot.moment)
+        assert torch.equal(slot.value(), f.dequantize(q).reshape(-1).float())
+        assert torch.equal(slot.codes().reshape(-1), f.element_codes(q))
+        assert torch.allclose(slot.spacing(), f.spacing(q).reshape(-1), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["int8_dynamic", "fp4", "bf16"])
+def test_codes_track_state(fmt: str) -> None:
+    check_codes_track_state(_make(fmt), make_params(SHAPES), _raw(fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_full_reset_equals_fresh(fmt: str) -> None:
+    check_full_reset_is_fresh(_make(fmt), make_params(SHAPES))
+
+
+def test_reset_only_chosen_params_and_load() -> None:
+    check_partial_params(_make("int8_dynamic"), make_params(SHAPES))
+    check_survives_load(_make("int8_dynamic"), make_params(SHAPES))
+
+
+def test_v_only_reset_restarts_v_age_only() -> None:
+    params = make_params(SHAPES)
+    opt = _make("int8_dynamic")(params)
+    run(opt, params, range(4))
+    m = [opt.state[p]["exp_avg"].clone() for p in params]
+    adapter_for(opt).reset(["v"])
+    for p, old in zip(params, m):
+        assert float(opt.state[p]["step_v"]) == 0 and float(opt.state[p]["step_m"]) == 4
+        assert torch.equal(opt.state[p]["exp_avg"], old)
+    assert all(bool((s.value() == 0).all()) for s in adapter_for(opt).slots() if s.moment == "v")
+
+
+def test_builtin_stall_counts_match_clone_and_compare() -> None:
+    params = make_params(SHAPES)
+    opt = _make("int8_dynamic")(params)
+    run(opt, params, range(3))
+    adapter = adapter_for(opt)
+    before = {(id(s.param), s.moment): s.codes().reshape(-1).clone() for s in adapter.slots()}
+    set_grads(params, 7, scale=0.2)
+    params[0].grad[0, :5] = 0.0  # zero-gradient elements are not counted
+    opt.step()
+    counts = adapter.builtin_stall_counts()
+    assert set(counts) == set(before)
+    for slot in adapter.slots():
+        stalled, counted = counts[(id(slot.param), slot.moment)]
+        assert isinstance(stalled, torch.Tensor) and stalled.dim() == 0
+        mask = slot.param.grad.reshape(-1) != 0
+        unchanged = slot.codes().reshape(-1) == before[(id(slot.param), slot.moment)]
+        assert int(counted) == int(mask.sum()) and int(stalled) == int((unchanged & mask).sum())
+    assert adapter_for(QuantizedAdamW(params, count_stalls=False)).builtin_stall_counts() is None
