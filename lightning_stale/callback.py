@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.hooks import RemovableHandle
 
-from lightning_stale import predict, theory
+from lightning_stale import guard, predict, theory
 import lightning_stale.adapters as adapters
 from lightning_stale.adapters.base import MOMENTS, Moment, OptimizerAdapter, Slot
 from lightning_stale.policies import ResetPolicy, ResetUnit, check_moments, make_policy
@@ -82,6 +82,10 @@ class StaleStateCallback(Callback):
         log_key_prefix: prefix of every logged key.
         strict: raise for optimizers without an adapter; ``False`` falls back to a generic adapter with a warning.
         seed: seed of the element sample.
+        underflow_guard: after every real optimizer step, zero the first moment of elements whose stored second
+            moment is exactly zero while m is not (see :mod:`lightning_stale.guard`): prevents the
+            ``lr * m / eps`` jump a later zero gradient would cause. Off by default; costs one full pass over the
+            state per step. Resets chosen by the policy are applied after it and are not altered.
     """
 
     def __init__(
@@ -98,6 +102,7 @@ class StaleStateCallback(Callback):
         log_key_prefix: str = "stale",
         strict: bool = True,
         seed: int = 0,
+        underflow_guard: bool = False,
     ) -> None:
         super().__init__()
         if track not in ("sample", "exact"):
@@ -107,6 +112,8 @@ class StaleStateCallback(Callback):
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
         if not isinstance(log_key_prefix, str) or not log_key_prefix:
             raise ValueError(f"`log_key_prefix` must be a non-empty string, got {log_key_prefix!r}")
+        if not isinstance(underflow_guard, bool):
+            raise ValueError(f"`underflow_guard` must be True or False, got {underflow_guard!r}")
         self.policy = make_policy(reset, every, s0, min_interval, check_moments(moments))
         self.track = track
         self.sample_size = sample_size
@@ -115,6 +122,7 @@ class StaleStateCallback(Callback):
         self.prefix = log_key_prefix
         self.strict = bool(strict)
         self.seed = int(seed)
+        self.underflow_guard = underflow_guard
         self.reset_events = 0
         self._tracked: list[_Tracked] = []
         self._handles: list[RemovableHandle] = []
@@ -209,6 +217,8 @@ class StaleStateCallback(Callback):
         t.steps += 1
         measured = t.tracker.after_step(t.measuring, t.adapter.builtin_stall_counts() if t.measuring else None)
         self._adopt_new_units(t, fresh=True)
+        if self.underflow_guard:
+            guard.guard_underflow(record.slot for record in t.tracker.records.values())
         for record in measured:
             expected = predict.predicted_stall(t.rho.get(record.key), record.slot.beta, t.units[record.unit].age)
             if expected is not None:

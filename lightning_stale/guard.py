@@ -1,0 +1,88 @@
+"""The opt-in v-underflow guard: zero the first moment of elements whose stored second moment is exactly zero.
+
+The hazard: when an element's v rounds to zero in storage while its m does not, a later zero (or tiny) gradient gives
+the update ``lr * m / eps`` (a weight moved by ~20 in one step at lr 1e-3 in our reproductions with torchao's and
+``QuantizedAdamW``'s 8-bit states). After each real optimizer step the guard writes the zero code into m wherever v
+is stored as zero and m is not, so the element holds a fresh state (m = v = 0). Its next update is then 0 for a zero
+gradient and ``lr * (1 - b1) * g / sqrt((1 - b2) * g**2)`` (bias-corrected, at most about ``3.2 * lr`` at the default
+betas) for any other gradient: the size of a first Adam step, never ``m / eps``.
+
+Why reset m rather than clamp the update: a clamp must see the update, i.e. keep a copy of every parameter before
+each step (memory as large as the model) or change the optimizer's own arithmetic; zeroing m works on the stored
+state alone, in place, for every optimizer whose slots can write a zero code. What it loses is the momentum of
+elements so small against their block that their v already reads as zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from lightning_stale.adapters.base import BlockFp8Slot, BlockQmapSlot, FloatSlot, Packed4bitSlot, Slot
+
+
+def stored_zero_mask(slot: Slot) -> Tensor:
+    """Flat bool mask of the elements whose stored value is exactly zero."""
+    index = torch.arange(slot.numel, device=slot.codes().device)
+    return slot.zero_code_mask_at(index)
+
+
+def zero_elements(slot: Slot, mask: Tensor) -> None:
+    """Store an exact zero in the elements of ``slot`` selected by the flat bool ``mask``, in place.
+
+    Slots that define their own ``zero_elements(mask)`` method are asked to do it; the built-in layouts of
+    :mod:`lightning_stale.adapters.base` write their zero code directly (scales are left alone).
+    """
+    own = getattr(slot, "zero_elements", None)
+    if callable(own):
+        own(mask)
+    elif isinstance(slot, FloatSlot):
+        slot.tensor.masked_fill_(mask.view(slot.tensor.shape), 0)
+    elif isinstance(slot, Packed4bitSlot):
+        codes = slot.codes().masked_fill(mask, _map_zero_code(slot))  # two codes per byte, high nibble first
+        slot.stored.view(-1).copy_((codes[0::2] << 4) | codes[1::2])
+    elif isinstance(slot, BlockQmapSlot):
+        slot.stored.masked_fill_(mask.view(slot.stored.shape), _map_zero_code(slot))
+    elif isinstance(slot, BlockFp8Slot):
+        slot.stored.view(torch.uint8).masked_fill_(mask.view(slot.stored.shape), 0)
+    else:
+        raise TypeError(
+            f"underflow_guard cannot write zeros into slot {slot.key!r} ({type(slot).__name__}): give the slot class "
+            "a zero_elements(mask) method, or construct StaleStateCallback(underflow_guard=False)"
+        )
+
+
+def _map_zero_code(slot: BlockQmapSlot) -> int:
+    """The index of the exact zero in a slot's value map."""
+    zeros = torch.nonzero(slot.qmap.reshape(-1) == 0).reshape(-1)
+    if zeros.numel() == 0:
+        raise ValueError(f"slot {slot.key!r}: its value map has no zero, so no element can be zeroed")
+    return int(zeros[0])
+
+
+def guard_underflow(slots: Iterable[Slot]) -> Tensor:
+    """For each parameter, zero every first moment where its second moment is stored as zero and m is not.
+
+    Returns the number of elements whose m was zeroed (a 0-d tensor on the state's device; no host sync).
+    """
+    by_param: dict[int, list[Slot]] = {}
+    for slot in slots:
+        by_param.setdefault(id(slot.param), []).append(slot)
+    counts: list[Tensor] = []
+    for group in by_param.values():
+        v_slots = [s for s in group if s.moment == "v"]
+        m_slots = [s for s in group if s.moment == "m"]
+        if not v_slots or not m_slots:
+            continue
+        v_zero = stored_zero_mask(v_slots[0])
+        for v in v_slots[1:]:
+            v_zero |= stored_zero_mask(v)
+        for m in m_slots:
+            if m.numel != v_zero.numel():
+                raise ValueError(f"slot {m.key!r} has {m.numel} elements but its second moment has {v_zero.numel()}")
+            hazard = v_zero & ~stored_zero_mask(m)
+            zero_elements(m, hazard)  # unconditionally: checking for hits first would sync with the device
+            counts.append(hazard.sum())
+    return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)

@@ -1,0 +1,209 @@
+"""The v-underflow hazard (issue 6 item 5): reproduce the m/eps blow-up, see it in ``stale/v/underflow``, and show
+that ``StaleStateCallback(underflow_guard=True)`` keeps every single-step parameter change within a few lr.
+
+Reproduction (shared/research/quantized-optimizers.md section 5): Linear(32, 1024) -> ReLU -> Linear(1024, 128),
+loss = sum of the outputs, one fixed batch of 4. After the first 8-bit step ~300 first-layer weights hold v at the
+zero code with m non-zero; the next step moves some of them by tens (lr 1e-3). Nearest-rounding 8-bit states show
+it (QuantizedAdamW ``int8_dynamic``, torchao ``AdamW8bit``); bitsandbytes on CPU hides it (its LUT quantizer never
+stores an exact zero), so the layout tests below inject the zero codes into its real state instead.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_stale import StaleStateCallback
+from lightning_stale.adapters import adapter_for
+from lightning_stale.adapters.base import Slot
+from lightning_stale.guard import guard_underflow, stored_zero_mask, zero_elements
+
+LR = 1e-3
+
+
+class DeadUnits(L.LightningModule):
+    """The reproduction model; ``kind`` picks the optimizer."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.net = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 128))
+        self.x = torch.randn(4, 32)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(self.x).sum()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.zeros(64, 1)), batch_size=1)
+
+    def configure_optimizers(self):
+        if self.kind == "torchao":
+            from torchao.optim import AdamW8bit
+
+            return AdamW8bit(self.parameters(), lr=LR)
+        from lightning_stale.optim import QuantizedAdamW
+
+        return QuantizedAdamW(self.parameters(), lr=LR, state_format="int8_dynamic")
+
+
+class StepSize(L.Callback):
+    """The largest absolute change of any parameter element in each optimizer step."""
+
+    def __init__(self) -> None:
+        self.before: list[torch.Tensor] = []
+        self.jumps: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.jumps.append(max(float((p.detach() - b).abs().max()) for p, b in zip(pl_module.parameters(), self.before)))
+
+
+def fit(tmp_path: Path, kind: str, guard: bool, steps: int) -> tuple[StepSize, list[float]]:
+    recorder = StepSize()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path, max_steps=steps, logger=CSVLogger(tmp_path), log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+        callbacks=[StaleStateCallback(track="exact", underflow_guard=guard), recorder],
+    )
+    trainer.fit(DeadUnits(kind))
+    with (Path(trainer.logger.log_dir) / "metrics.csv").open() as f:
+        underflow = [float(r["stale/v/underflow"]) for r in csv.DictReader(f) if r.get("stale/v/underflow")]
+    return recorder, underflow
+
+
+@pytest.mark.parametrize("kind", ["qadamw", pytest.param("torchao", marks=pytest.mark.slow)])
+def test_guard_bounds_the_blow_up_that_the_underflow_metric_reports(tmp_path, kind):
+    if kind == "torchao":
+        pytest.importorskip("torchao.optim")
+    steps = 8
+    plain, underflow = fit(tmp_path / "plain", kind, guard=False, steps=steps)
+    assert max(plain.jumps) > 1000 * LR, "the hazard did not reproduce"
+    assert underflow and max(underflow) > 0, "stale/v/underflow did not report the zero-v elements"
+
+    guarded, underflow_guarded = fit(tmp_path / "guarded", kind, guard=True, steps=steps)
+    assert len(guarded.jumps) == steps
+    assert max(guarded.jumps) <= 4 * LR  # a first-Adam-step size: (1 - b1) / sqrt(1 - b2) ~ 3.2 lr, plus decay
+    assert max(underflow_guarded) > 0  # the guard resets m, v still underflows: the metric keeps reporting it
+
+
+# -- the guard on each slot layout, with zero-v elements injected into real optimizer state --------------------------
+
+
+def _check_guard(slots: list[Slot], inject: dict[int, torch.Tensor]) -> None:
+    """``inject`` maps id(v slot param) -> flat indices to store as zero in v; checks m is zeroed exactly there."""
+    by_param = {}
+    for s in slots:
+        by_param.setdefault(id(s.param), {})[s.moment] = s
+    expected_total = 0
+    expected_masks = {}
+    for pid, index in inject.items():
+        v, m = by_param[pid]["v"], by_param[pid]["m"]
+        mask = torch.zeros(v.numel, dtype=torch.bool)
+        mask[index] = True
+        zero_elements(v, mask)
+        assert bool(stored_zero_mask(v)[index].all())
+        hazard = stored_zero_mask(v) & ~stored_zero_mask(m)
+        expected_masks[pid] = hazard
+        expected_total += int(hazard.sum())
+    assert expected_total > 0
+    before = {pid: (d["m"].codes().clone(), d["v"].codes().clone()) for pid, d in by_param.items()}
+    assert int(guard_underflow(slots)) == expected_total
+    for pid, d in by_param.items():
+        m_before, v_before = before[pid]
+        assert torch.equal(d["v"].codes(), v_before), "the guard must not touch v"
+        changed = (d["m"].codes() != m_before).reshape(-1)
+        hazard = expected_masks.get(pid, torch.zeros_like(changed))
+        assert torch.equal(changed, hazard), "m changed outside the hazard elements"
+        assert bool((d["m"].value()[hazard] == 0).all())
+    assert int(guard_underflow(slots)) == 0  # idempotent
+
+
+def _stepped(opt: torch.optim.Optimizer, params: list[nn.Parameter], steps: int = 2) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+
+
+def test_guard_on_bitsandbytes_8bit_and_fp32_fallback_state():
+    import bitsandbytes as bnb
+
+    params = [nn.Parameter(torch.randn(64, 128)), nn.Parameter(torch.randn(100))]  # 8-bit, and fp32 (< 4096)
+    opt = bnb.optim.AdamW8bit(params, lr=LR)
+    _stepped(opt, params)
+    slots = adapter_for(opt).slots()
+    assert {type(s).__name__ for s in slots} == {"BlockQmapSlot", "FloatSlot"}
+    _check_guard(slots, {id(params[0]): torch.arange(0, 8192, 7), id(params[1]): torch.arange(0, 100, 3)})
+
+
+def test_guard_on_torch_adamw_bf16_state():
+    params = [nn.Parameter(torch.randn(300).bfloat16())]
+    opt = torch.optim.AdamW(params, lr=LR)
+    _stepped(opt, params)
+    _check_guard(adapter_for(opt).slots(), {id(params[0]): torch.tensor([0, 5, 299])})
+
+
+def test_guard_on_torchao_4bit_and_fp8_buffers():
+    """torchao's own state subclasses, filled by their eager ``copy_`` (no compiled step needed)."""
+    pytest.importorskip("torchao.optim")
+    from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_fp8 import OptimStateFp8
+
+    from lightning_stale.adapters.torchao import buffer_slot
+
+    gen = torch.Generator().manual_seed(1)
+    for cls, kwargs in ((OptimState4bit, {"block_size": 128}), (OptimStateFp8, {"block_size": 256})):
+        p = nn.Parameter(torch.randn(4096, generator=gen))
+        slots = []
+        for moment, signed in (("m", True), ("v", False)):
+            args = (p.shape, signed) if cls is OptimState4bit else (p.shape,)
+            buf = cls.zeros(*args, **kwargs)
+            values = torch.randn(p.shape, generator=gen)
+            buf.copy_(values if signed else values.square())
+            slots.append(buffer_slot(p, buf, f"exp_avg{'_sq' * (moment == 'v')}", moment, 0.9))
+        if cls is OptimState4bit:  # v's linear map has no zero: only a zero block scale stores zeros
+            slots[1].scale[3] = 0.0
+            hazard = torch.zeros(4096, dtype=torch.bool)
+            hazard[3 * 128:4 * 128] = True
+            hazard &= ~stored_zero_mask(slots[0])
+            m_before = slots[0].codes().clone()
+            assert int(guard_underflow(slots)) == int(hazard.sum()) > 0
+            assert torch.equal(slots[0].codes() != m_before, hazard)
+            assert bool((slots[0].value()[hazard] == 0).all())
+        else:
+            _check_guard(slots, {id(p): torch.arange(1, 4096, 11)})
+
+
+def test_guard_rejects_a_slot_it_cannot_write_with_a_clear_message():
+    class ReadOnlySlot(Slot):
+        def __init__(self, param, moment, values):
+            super().__init__(param, moment, 0.9, "custom", f"read_only_{moment}")
+            self.values = values
+
+        def codes(self):
+            return self.values
+
+        def value(self):
+            return self.values.reshape(-1)
+
+    p = nn.Parameter(torch.zeros(4))
+    slots = [ReadOnlySlot(p, "m", torch.ones(4)), ReadOnlySlot(p, "v", torch.tensor([0.0, 1, 1, 1]))]
+    with pytest.raises(TypeError, match="zero_elements.*underflow_guard=False"):
+        guard_underflow(slots)
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_underflow_guard_argument_must_be_a_bool(value):
+    with pytest.raises(ValueError, match="`underflow_guard` must be True or False"):
+        StaleStateCallback(underflow_guard=value)
