@@ -9,6 +9,7 @@ from lightning_stale.theory.grid import GridEstimate, estimate_grid, relative_sp
 from lightning_stale.theory.stalling import (
     FORMAT_EPSILON,
     ROUNDINGS,
+    check_beta,
     chi2_cdf,
     chi2_ppf,
     effective_beta,
@@ -28,6 +29,7 @@ __all__ = [
     "FORMAT_EPSILON",
     "ROUNDINGS",
     "GridEstimate",
+    "check_beta",
     "chi2_cdf",
     "chi2_ppf",
     "effective_beta",
