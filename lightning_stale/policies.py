@@ -100,6 +100,9 @@ class PeriodicReset(ResetPolicy):
         return unit.age >= self.every
 
 
+THEORY_SAMPLE_SIZE = 4096  # elements of a slot the grid estimate of K* looks at
+
+
 class TheoryReset(ResetPolicy):
     """Reset at the theory-guided period K* (paper Prop. 5.2) of each parameter's driver slot.
 
@@ -116,10 +119,14 @@ class TheoryReset(ResetPolicy):
 
     def configure(self, unit: ResetUnit) -> None:
         from lightning_stale import predict
+        from lightning_stale.tracker import sample_index
 
         driver = unit.driver()
         if driver is not None:
-            unit.period, unit.period_source = predict.reset_period_for(driver.slot, driver.index, self.s0)
+            # A fixed sample, not the callback's seeded one: theory resets are not reduced across ranks, so the grid
+            # estimate must not depend on a per-rank seed.
+            index = sample_index(driver.key, driver.slot.numel, THEORY_SAMPLE_SIZE, seed=0)
+            unit.period, unit.period_source = predict.reset_period_for(driver.slot, index, self.s0)
 
     def should_reset(self, unit: ResetUnit, step: int) -> bool:
         return unit.period is not None and unit.age >= unit.period
