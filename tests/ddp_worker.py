@@ -1,0 +1,131 @@
+"""One CPU-DDP training run (2 processes, gloo) with StaleStateCallback; every rank writes what it saw to a JSON file.
+
+Run by ``tests/test_distributed.py`` in a subprocess: ``python tests/ddp_worker.py OUT_DIR RESET STEPS`` with RESET in
+{adaptive, theory}; Lightning's DDP launcher re-runs this script for rank 1. The model has two layers trained in
+manual optimization by two optimizers: bitsandbytes AdamW8bit and QuantizedAdamW (fp8, stochastic rounding), so one
+launch covers both. Each rank samples its stall measurement with its own seed, so the adaptive decision inputs
+differ per rank and only the callback's cross-rank reduction keeps the resets in step.
+
+Per rank, ``rank<R>.json`` holds: the global steps of every reset with a hash of each optimizer-state tensor right
+after it, the same hashes (and parameter hashes) at the end, the reset periods chosen, and the rank's local
+(unreduced) stall totals at every log step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_stale import StaleStateCallback
+from lightning_stale.tracker import StallTotals
+
+
+class TwoOptimizers(L.LightningModule):
+    """``first`` (8192 + 256 elements) on bitsandbytes AdamW8bit, ``second`` (1024 + 4) on QuantizedAdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.first = nn.Linear(32, 256)
+        self.second = nn.Linear(256, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.second(torch.relu(self.first(x))), y)
+        optimizers = self.optimizers()
+        for opt in optimizers:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in optimizers:
+            opt.step()
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(512, 32, generator=g), torch.randn(512, 4, generator=g))
+        return DataLoader(data, batch_size=8, shuffle=False)  # Lightning adds a DistributedSampler: ranks differ
+
+    def configure_optimizers(self):
+        import bitsandbytes as bnb
+
+        from lightning_stale.optim import QuantizedAdamW
+
+        # b2 = 0.8 keeps the EMA's statistical error small enough that adaptive resets happen within a few dozen steps
+        return (
+            bnb.optim.AdamW8bit(self.first.parameters(), lr=1e-3, betas=(0.9, 0.8)),
+            QuantizedAdamW(self.second.parameters(), lr=1e-3, betas=(0.9, 0.8), state_format="fp8_e4m3",
+                           rounding="stochastic", min_quantized_size=256),
+        )
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def state_hashes(optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """A hash of every tensor in the optimizer state (codes, scales, step counters), keyed by parameter position."""
+    out = {}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        for key, value in sorted(optimizer.state[p].items()):
+            if isinstance(value, torch.Tensor):
+                out[f"{i}.{key}"] = tensor_hash(value)
+            else:
+                out[f"{i}.{key}"] = repr(value)
+    return out
+
+
+class RecordingTotals(StallTotals):
+    """The callback's cross-rank totals metric, also remembering this rank's local contribution at each log step."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.local: list[list[float]] = []
+
+    def update(self, values: torch.Tensor) -> None:
+        self.local.append(values.tolist())
+        super().update(values)
+
+
+def main(out: Path, reset: str, steps: int) -> None:
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning's launcher for rank 1; rank 0 is this process
+    callback = StaleStateCallback(reset=reset, s0=0.02, min_interval=3, sample_size=512, seed=rank)
+    callback._totals = RecordingTotals(callback._totals.totals.numel())
+    resets: list[dict] = []
+
+    def on_reset(optimizer: torch.optim.Optimizer, slots: list) -> None:
+        index = [id(o) for o in callback._trainer.optimizers].index(id(optimizer))
+        resets.append({"step": callback._trainer.global_step, "optimizer": index, "state": state_hashes(optimizer)})
+
+    callback.add_reset_listener(on_reset)
+    model = TwoOptimizers()
+    trainer = L.Trainer(
+        strategy="ddp", devices=2, accelerator="cpu", max_steps=steps, default_root_dir=out,
+        logger=CSVLogger(out, name="csv", version=0), log_every_n_steps=1, callbacks=[callback],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model)
+    result = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "resets": resets,
+        "reset_events": callback.reset_events,
+        "periods": callback.reset_periods(),
+        "final_state": [state_hashes(opt) for opt in trainer.optimizers],
+        "final_params": {n: tensor_hash(p) for n, p in model.named_parameters()},
+        "local_totals": callback._totals.local,
+    }
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)  # same initial weights on both ranks (DDP also broadcasts rank 0's)
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
