@@ -16,7 +16,9 @@ from lightning_stale.adapters.base import OptimizerAdapter
 MakeOpt = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-def make_params(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype = torch.float32, seed: int = 0) -> list[nn.Parameter]:
+def make_params(
+    shapes: Sequence[tuple[int, ...]], dtype: torch.dtype = torch.float32, seed: int = 0
+) -> list[nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
     return [nn.Parameter((torch.randn(s, generator=gen) * 0.1).to(dtype)) for s in shapes]
 
@@ -161,7 +163,9 @@ def check_survives_load(make: MakeOpt, params: list[nn.Parameter]) -> None:
         assert torch.equal(slot.value(), value), f"{slot.key}: a stale reference was reset"
 
 
-def first_update_ratio(make: MakeOpt, params: list[nn.Parameter], lr: float, reset: Callable[[torch.optim.Optimizer], None]) -> float:
+def first_update_ratio(
+    make: MakeOpt, params: list[nn.Parameter], lr: float, reset: Callable[[torch.optim.Optimizer], None]
+) -> float:
     """Largest |update| / lr of the step right after ``reset``, with the gradient of the last step repeated.
 
     History: 20 steps with large gradients (so the kept m dwarfs the new gradient), then one small-gradient step."""

@@ -46,7 +46,8 @@ def test_example_adapter_in_a_trainer(tmp_path) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 2))
     callback = StaleStateCallback(reset="periodic", every=4, track="exact")
     trainer = pl.Trainer(max_steps=8, callbacks=[callback], logger=False, enable_checkpointing=False,
-                         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+                         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path)
     trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=16))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("stale")}
     assert "stale/m/frac" in metrics and 0.0 <= metrics["stale/m/frac"] <= 1.0, metrics

@@ -30,7 +30,9 @@ FORMATS = {
     "4bit": ("torchao_4bit_dynamic", "torchao_4bit_linear_nozero"),
     "Fp8": ("fp8_e4m3", "fp8_e4m3"),
 }
-OPTIMIZERS = {f"{kind}{bits}": getattr(torchao_optim, f"{kind}{bits}") for bits in FORMATS for kind in ("Adam", "AdamW")}
+OPTIMIZERS = {
+    f"{kind}{bits}": getattr(torchao_optim, f"{kind}{bits}") for bits in FORMATS for kind in ("Adam", "AdamW")
+}
 
 pytestmark = pytest.mark.slow  # ~ 1-2 min of torch.compile on a cold cache
 

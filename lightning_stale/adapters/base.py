@@ -189,7 +189,7 @@ class FloatSlot(Slot):
 
 @dataclass(eq=False, kw_only=True)
 class BlockQmapSlot(Slot):
-    """A moment stored as 8-bit indices into a 256-entry map, scaled per block: ``value = qmap[code] * scale[i // block]``.
+    """A moment stored as 8-bit indices into a value map, scaled per block: ``qmap[code] * scale[i // block]``.
 
     ``stored`` is the uint8 code tensor (any shape), ``scale`` the flat per-block scales, ``qmap`` the shared map.
     """
