@@ -268,7 +268,8 @@ class StaleStateCallback(Callback):
             self.policy.observe(unit, fraction)
 
     def _maybe_reset(self, t: _Tracked) -> None:
-        step = self._trainer.global_step if self._trainer is not None else t.steps
+        # Lightning counts a step after optimizer.step() returns: in this post-hook global_step is still one behind.
+        step = self._trainer.global_step + 1 if self._trainer is not None else t.steps
         units = list(t.units.values())
         due = [self.policy.should_reset(u, step) for u in units]
         trainer = self._trainer
