@@ -62,8 +62,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"lightning-stale simulate: error: {error}", file=sys.stderr)
         return 2
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the simulated tensors are small: intra-op threads only add overhead
-    results = [simulate(cfg) for cfg in configs]
+    try:
+        results = [simulate(cfg) for cfg in configs]
+    finally:
+        torch.set_num_threads(threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     first = results[0]
