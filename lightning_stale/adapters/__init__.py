@@ -98,7 +98,8 @@ def adapter_for(optimizer: object, strict: bool = True) -> OptimizerAdapter:
     if strict:
         supported = ", ".join(sorted(f"{c.__module__}.{c.__qualname__}" for c in _REGISTRY)) or "none"
         raise TypeError(
-            f"no lightning_stale adapter for optimizer {name}. Supported (with subclasses): {supported}. "
+            f"no lightning_stale adapter for optimizer {name}. Supported (with subclasses): {supported}; "
+            "bitsandbytes, torchao and lightning_stale.optim optimizers are added once their library is imported. "
             "Register one with lightning_stale.register_adapter(OptimizerClass, AdapterClass) or the entry-point "
             f"group {ENTRY_POINT_GROUP!r} (see examples/custom_optimizer_adapter.py), or pass strict=False to "
             "treat every tensor in optimizer.state as a slot."
