@@ -222,6 +222,10 @@ class BlockQmapSlot(Slot):
 class Packed4bitSlot(BlockQmapSlot):
     """Like :class:`BlockQmapSlot` with two 4-bit codes per byte (high nibble first), as torchao's 4-bit states."""
 
+    @property
+    def numel(self) -> int:
+        return self.param.numel()  # without unpacking the codes
+
     def codes(self) -> Tensor:
         packed = self.stored.reshape(-1)
         return torch.stack([packed >> 4, packed & 0b1111], dim=-1).reshape(-1)[: self.param.numel()]
