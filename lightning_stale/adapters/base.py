@@ -148,7 +148,7 @@ def _bit_view(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def float_ulp(values: Tensor) -> Tensor:
+def dtype_ulp(values: Tensor) -> Tensor:
     """Absolute spacing to the next representable value away from zero, in the values' own dtype, as fp32."""
     mag = values.abs()
     return (torch.nextafter(mag, torch.full_like(mag, float("inf"))) - mag).float()
@@ -178,7 +178,7 @@ class FloatSlot(Slot):
         return self.tensor.reshape(-1).float()
 
     def spacing(self) -> Tensor | None:
-        return float_ulp(self.tensor.reshape(-1)) if self.tensor.is_floating_point() else None
+        return dtype_ulp(self.tensor.reshape(-1)) if self.tensor.is_floating_point() else None
 
     def codes_at(self, index: Tensor) -> Tensor:
         return _bit_view(self.tensor).reshape(-1)[index]
