@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 def format_table(rows: list[dict]) -> str:
     """A fixed-width text table of :meth:`SimResult.summary` rows."""
     headers = {"run": "run", "stall_v": "v stall", "predicted_v": "theory", "mean_abs_gap": "|gap|",
-               "stall_m": "m stall", "v_abs_err": "|v/fp32-1|", "v_ratio_before_change": "v/fp32 pre-change",
+               "stall_m": "m stall", "v_abs_err": "median |v/fp32-1|", "v_ratio_before_change": "v/fp32 pre-change",
                "v_ratio_end": "v/fp32 end"}
     keys = [k for k in headers if any(k in row for row in rows)]
     cells = [[headers[k] for k in keys]] + [[_cell(row.get(k)) for k in keys] for row in rows]
