@@ -112,16 +112,19 @@ class StaleStateCallback(Callback):
                 raise ValueError(f"`{name}` must be a positive int, got {value!r}")
         if not isinstance(log_key_prefix, str) or not log_key_prefix:
             raise ValueError(f"`log_key_prefix` must be a non-empty string, got {log_key_prefix!r}")
-        if not isinstance(underflow_guard, bool):
-            raise ValueError(f"`underflow_guard` must be True or False, got {underflow_guard!r}")
+        for name, value in (("log_per_param", log_per_param), ("strict", strict), ("underflow_guard", underflow_guard)):
+            if not isinstance(value, bool):
+                raise ValueError(f"`{name}` must be True or False, got {value!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"`seed` must be an int, got {seed!r}")
         self.policy = make_policy(reset, every, s0, min_interval, check_moments(moments))
         self.track = track
         self.sample_size = sample_size
         self.track_every = track_every
-        self.log_per_param = bool(log_per_param)
+        self.log_per_param = log_per_param
         self.prefix = log_key_prefix
-        self.strict = bool(strict)
-        self.seed = int(seed)
+        self.strict = strict
+        self.seed = seed
         self.underflow_guard = underflow_guard
         self.reset_events = 0
         self._tracked: list[_Tracked] = []
