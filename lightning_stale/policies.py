@@ -74,7 +74,8 @@ class ResetPolicy:
         """Called on measured steps with the driver slot's stall fraction of that step."""
 
     def should_reset(self, unit: ResetUnit, step: int) -> bool:
-        """Whether to reset ``unit`` now, after its ``unit.age``-th step since the last reset (global ``step``)."""
+        """Whether to reset ``unit`` now, right after its optimizer's ``step``-th real step (skipped steps do not
+        count), which is the ``unit.age``-th step since the unit's last reset."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -40,6 +40,7 @@ class SlotRecord:
     slot: Slot
     index: Tensor
     exact: bool
+    numel: int = 0
     shadow: Tensor | None = None
     prev: Tensor | None = None
     totals: Tensor = field(default_factory=lambda: torch.zeros(N_STATS, dtype=torch.float64))
@@ -50,6 +51,11 @@ class SlotRecord:
     @property
     def moment(self) -> str:
         return self.slot.moment
+
+    @property
+    def weight(self) -> float:
+        """Elements each sampled element stands for, so that aggregates over slots are weighted by slot size."""
+        return self.numel / max(1, self.index.numel())
 
     def resync_shadow(self) -> None:
         """Restart the shadow EMA from the stored value (exactly zero right after a full reset)."""
@@ -107,7 +113,9 @@ class StallTracker:
             if key in self.records and self.records[key].slot.codes().data_ptr() == slot.codes().data_ptr():
                 continue
             old = self.records.get(key)
-            record = SlotRecord(key, self.unit_key(slot), slot, sample_index(key, slot.numel, self.sample_size, self.seed), self.exact)
+            numel = slot.numel
+            index = sample_index(key, numel, self.sample_size, self.seed)
+            record = SlotRecord(key, self.unit_key(slot), slot, index, self.exact, numel)
             saved = self.restored.pop(key, None)
             if old is not None:  # same slot rebuilt (state reloaded): keep its history
                 record.totals, record.shadow = old.totals, old.shadow
@@ -173,11 +181,11 @@ class StallTracker:
                 stats[COUNTED] = mask.sum() if full is not None else unchanged.numel()
             else:
                 unchanged = slot.codes_at(record.index) == record.prev
-                stats[STALLED] = (unchanged & nonzero).sum()
-                stats[COUNTED] = nonzero.sum()
+                stats[STALLED] = (unchanged & nonzero).sum() * record.weight
+                stats[COUNTED] = nonzero.sum() * record.weight
             if slot.moment == "v":
-                stats[UNDERFLOW] = (slot.zero_code_mask_at(record.index) & nonzero).sum()
-                stats[UNDERFLOW_COUNTED] = nonzero.sum()
+                stats[UNDERFLOW] = (slot.zero_code_mask_at(record.index) & nonzero).sum() * record.weight
+                stats[UNDERFLOW_COUNTED] = nonzero.sum() * record.weight
             stats[MEASURED] = 1
             record.totals += stats
             record.last_step = stats[:2]
