@@ -102,7 +102,12 @@ def test_period_on_a_bf16_torch_adam_state_matches_the_paper(capsys, tmp_path):
 
 @pytest.mark.parametrize(
     "argv, name",
-    [(["--beta2", "1.5"], "beta2"), (["--s0", "1"], "s0"), (["--p-init", "2"], "p_init"), (["--state", "nope.pt"], "state")],
+    [
+        (["--beta2", "1.5"], "beta2"),
+        (["--s0", "1"], "s0"),
+        (["--p-init", "2"], "p_init"),
+        (["--state", "nope.pt"], "state"),
+    ],
 )
 def test_period_rejects_bad_arguments_naming_them(capsys, argv, name):
     rc, _, err = _period(capsys, *argv)

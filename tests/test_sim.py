@@ -1,4 +1,4 @@
-"""The controlled simulator against the paper's theory (issue 3, item 5): real quantization with lightning_stale.formats."""
+"""The controlled simulator against the paper's theory (issue 3, item 5), with real lightning_stale.formats storage."""
 
 from __future__ import annotations
 

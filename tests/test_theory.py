@@ -1,4 +1,4 @@
-"""The paper's numbers (arXiv 2603.16731 v1, Tables 1-3, 8, 9) and the internal consistency of lightning_stale.theory."""
+"""The paper's numbers (arXiv 2603.16731 v1, Tables 1-3, 8, 9) and the consistency of lightning_stale.theory."""
 
 from __future__ import annotations
 
@@ -125,7 +125,9 @@ def test_startup_window_is_the_first_crossing(rho, p_init):
         assert total(j) >= p0 - 1e-12 and (j == 1 or total(j - 1) < p0)
 
 
-@pytest.mark.parametrize("rho, beta, s0", [(2.71, 0.999, 0.6), (0.27, 0.99, 0.6), (0.87, 0.95, 0.5), (86.6, 0.999, 0.7)])
+@pytest.mark.parametrize(
+    "rho, beta, s0", [(2.71, 0.999, 0.6), (0.27, 0.99, 0.6), (0.87, 0.95, 0.5), (86.6, 0.999, 0.7)]
+)
 def test_reset_period_is_the_first_crossing(rho, beta, s0):
     k_star = reset_period(rho, beta, s0)
     assert k_star is not None

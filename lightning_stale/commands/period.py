@@ -17,8 +17,8 @@ SAMPLE_LIMIT = 1_000_000  # elements of a saved state used for the grid estimate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", dest="fmt", default="bf16", choices=FLOAT_FORMATS + tuple(ALIASES) + ("int8_dynamic",),
-                        help="second-moment storage format (default: bf16); fp4 means the paper's unsigned E2M2 v grid; "
+    parser.add_argument("--format", dest="fmt", default="bf16", choices=(*FLOAT_FORMATS, *ALIASES, "int8_dynamic"),
+                        help="second-moment storage format (default: bf16); fp4 is the paper's unsigned E2M2 v grid; "
                              "int8_dynamic uses the grid estimate on a synthetic sample")
     parser.add_argument("--beta2", type=float, default=None,
                         help="Adam b2 (default: the saved optimizer's b2 with --state, else 0.999)")
@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stall floor right after a reset, for the startup windows (default: 0)")
     parser.add_argument("--state", default=None,
                         help="a torch.save'd optimizer state_dict (lightning_stale QuantizedAdamW, bitsandbytes 8-bit, "
-                             "torchao low-bit, or torch Adam with bf16/fp16 states): estimate from its stored v")
+                             "torchao low-bit, or torch Adam with bf16/fp16 states): estimate from its stored v "
+                             "(overrides --format)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +62,8 @@ def report(args: argparse.Namespace) -> list[str]:
         values, spacing = synthetic_int8_sample()
         grid = theory.estimate_grid(values, spacing, beta2, args.s0)
         source = [f"model: grid estimate (our extension, not the paper's) on a synthetic sample: {grid.n:,} log-normal",
-                  "       v values in blocks of 256 stored in the 8-bit dynamic map; an estimate, pass --state for yours"]
+                  "       v values in blocks of 256 stored in the 8-bit dynamic map; an estimate, pass --state",
+                  "       for your own optimizer's states"]
         rho = grid.rho_hat
     else:
         beta2 = 0.999 if beta2 is None else beta2

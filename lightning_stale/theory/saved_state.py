@@ -37,7 +37,9 @@ def load_v_sample(path: str, limit: int = 1_000_000, seed: int = 0) -> tuple[Ten
     return v_sample(state_dict, limit, seed)
 
 
-def v_sample(state_dict: Mapping[str, Any], limit: int = 1_000_000, seed: int = 0) -> tuple[Tensor, Tensor, float | None, str]:
+def v_sample(
+    state_dict: Mapping[str, Any], limit: int = 1_000_000, seed: int = 0
+) -> tuple[Tensor, Tensor, float | None, str]:
     """(values, spacing, beta2 or None, description) of the stored v of every parameter in an optimizer state_dict.
 
     At most ``limit`` elements are kept (a uniform random subset, seeded). Raises ValueError when no second moment

@@ -138,7 +138,7 @@ def format_rho_hat(fmt: str, beta: float) -> float | None:
     return None if eps is None else rho_hat(eps, beta)
 
 
-# ---------------------------------------------------------------------------------------------------- stall probabilities
+# ---------------------------------------------------------------------------------------------------- stall probability
 
 
 def _nearest_stall(center: float, rho: float) -> float:
