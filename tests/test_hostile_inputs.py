@@ -1,0 +1,364 @@
+"""Hostile inputs (issue 6 item 4): every odd parameter, optimizer or lifecycle a real training run may throw at the
+callback either works or fails fast with a message that says what to do."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_stale import StaleStateCallback
+from lightning_stale.policies import PeriodicReset
+
+LR = 1e-3
+
+
+def make_optimizer(kind: str, params):
+    if kind == "bnb":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=LR)
+    if kind == "torch":
+        return torch.optim.AdamW(params, lr=LR)
+    from lightning_stale.optim import QuantizedAdamW
+
+    return QuantizedAdamW(params, lr=LR, state_format=kind.split(":")[1], min_quantized_size=256)
+
+
+class Net(L.LightningModule):
+    """Linear(32, 128) -> ReLU -> Linear(128, 4) (the first weight has 4096 elements: 8-bit state everywhere)."""
+
+    def __init__(self, kind: str = "bnb") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g)),
+                          batch_size=4)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.kind, self.parameters())
+
+
+def trainer_for(tmp_path: Path, callbacks: list, steps: int, **kwargs) -> L.Trainer:
+    kwargs.setdefault("enable_checkpointing", False)
+    return L.Trainer(default_root_dir=tmp_path, max_steps=steps, logger=CSVLogger(tmp_path), log_every_n_steps=1,
+                     enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", callbacks=callbacks,
+                     **kwargs)
+
+
+def fit(tmp_path: Path, model: L.LightningModule, callback: StaleStateCallback, steps: int = 6, **kwargs) -> L.Trainer:
+    trainer = trainer_for(tmp_path, [callback], steps, **kwargs)
+    trainer.fit(model)
+    return trainer
+
+
+def logged(trainer: L.Trainer, key: str) -> list[float]:
+    with (Path(trainer.logger.log_dir) / "metrics.csv").open() as f:
+        return [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
+
+
+def records(callback: StaleStateCallback, optimizer_index: int = 0):
+    return callback._tracked[optimizer_index].tracker.records
+
+
+def assert_fractions_valid(trainer: L.Trainer) -> None:
+    for key in ("stale/v/frac", "stale/m/frac", "stale/frac"):
+        values = logged(trainer, key)
+        assert values, f"{key} never logged"
+        assert all(0.0 <= v <= 1.0 for v in values), f"{key}: {values}"
+
+
+# -- gradients -------------------------------------------------------------------------------------------------------
+
+
+class NonFiniteGrads(Net):
+    """Writes NaN, +Inf and -Inf into a few gradient elements of the last step; records the elements that count."""
+
+    INJECT_AT = 4
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.trainer.global_step == self.INJECT_AT:
+            for p in self.parameters():
+                flat = p.grad.view(-1)
+                flat[0], flat[-1] = float("nan"), float("inf")
+                flat[flat.numel() // 2] = -float("inf")
+            self.expected_counted = {id(p): int((torch.isfinite(p.grad) & (p.grad != 0)).sum())
+                                     for p in self.parameters()}
+
+
+@pytest.mark.parametrize("kind", ["bnb", "torch", "qadamw:int8_dynamic"])
+def test_non_finite_gradient_elements_are_not_counted_and_do_not_crash(tmp_path, kind):
+    model = NonFiniteGrads(kind)
+    cb = StaleStateCallback(track="exact")
+    trainer = fit(tmp_path, model, cb, steps=NonFiniteGrads.INJECT_AT + 1)
+    assert_fractions_valid(trainer)
+    for record in records(cb).values():
+        stalled, counted = record.last_step.tolist()
+        assert counted == model.expected_counted[id(record.slot.param)], record.key  # NaN/Inf elements left out
+        assert 0 <= stalled <= counted
+    assert all(math.isfinite(v) for v in logged(trainer, "stale/v/drift"))
+
+
+# -- parameters ------------------------------------------------------------------------------------------------------
+
+
+class FrozenAndUnused(Net):
+    """A frozen layer (in the optimizer, no grad), an unused trainable layer (grad stays None), an empty tensor."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.frozen = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(64, 64)
+        self.empty = nn.Parameter(torch.zeros(0, 8))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(self.frozen(x)), y) + self.empty.sum()
+
+
+@pytest.mark.parametrize("kind", ["bnb", "qadamw:int8_dynamic"])
+def test_frozen_unused_and_zero_element_parameters(tmp_path, kind):
+    model = FrozenAndUnused(kind)
+    cb = StaleStateCallback(reset="periodic", every=2, log_per_param=True)
+    trainer = fit(tmp_path, model, cb, steps=5)
+    assert_fractions_valid(trainer)
+    tracked = {id(r.slot.param) for r in records(cb).values()}
+    assert id(model.frozen.weight) not in tracked and id(model.unused.weight) not in tracked
+    assert id(model.net[0].weight) in tracked
+    assert cb.reset_events == 2
+    empty = [r for r in records(cb).values() if r.slot.param is model.empty]
+    assert all(r.slot.numel == 0 for r in empty)  # tracked when the optimizer keeps state for it, harmlessly
+
+
+@pytest.mark.parametrize("kind", ["bnb", "qadamw:int8_dynamic"])
+def test_tiny_parameters_with_fp32_states(tmp_path, kind):
+    class Tiny(Net):
+        def __init__(self, kind):
+            super().__init__(kind)
+            self.net = nn.Sequential(nn.Linear(32, 7), nn.ReLU(), nn.Linear(7, 4))  # all below 4096 / 256 elements
+
+    cb = StaleStateCallback(track="exact", reset="theory")
+    trainer = fit(tmp_path, Tiny(kind), cb, steps=6)
+    assert {r.slot.format for r in records(cb).values()} == {"fp32"}
+    assert max(logged(trainer, "stale/v/frac")) < 0.05  # fp32 states barely stall
+    assert set(cb.reset_periods().values()) == {None}  # the theory never resets fp32 states
+    assert cb.reset_events == 0
+
+
+class LateGroup(Net):
+    """Adds a second param group (a new head) after two steps."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.head = nn.Linear(4, 4)
+        self.with_head = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)
+        return nn.functional.mse_loss(self.head(out) if self.with_head else out, y)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.kind, self.net.parameters())
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == 2 and not self.with_head:
+            self.trainer.optimizers[0].add_param_group({"params": self.head.parameters()})
+            self.with_head = True
+
+
+@pytest.mark.parametrize("kind", ["bnb", "qadamw:int8_dynamic"])
+def test_add_param_group_mid_training(tmp_path, kind):
+    model = LateGroup(kind)
+    cb = StaleStateCallback(reset=PeriodicReset(3))
+    resets: list[tuple[int, int]] = []
+    cb.add_reset_listener(lambda opt, slots: resets.append((cb._tracked[0].steps, len(slots))))
+    trainer = fit(tmp_path, model, cb, steps=8)
+    assert_fractions_valid(trainer)
+    assert id(model.head.weight) in {id(r.slot.param) for r in records(cb).values()}
+    # net params reset after optimizer steps 3 and 6; the head (first stepped in step 3) after 5 and 8
+    head_slots = 2 * len(list(model.head.parameters()))
+    net_slots = 2 * len(list(model.net.parameters()))
+    assert resets == [(3, net_slots), (5, head_slots), (6, net_slots), (8, head_slots)]
+
+
+def test_several_param_groups_with_different_betas(tmp_path):
+    from lightning_stale import theory
+
+    class TwoGroups(Net):
+        def configure_optimizers(self):
+            from lightning_stale.optim import QuantizedAdamW
+
+            return QuantizedAdamW([
+                {"params": self.net[0].parameters(), "betas": (0.9, 0.95), "name": "first"},
+                {"params": self.net[2].parameters(), "betas": (0.8, 0.99), "name": "second"},
+            ], lr=LR, state_format="bf16", min_quantized_size=1)
+
+    model = TwoGroups()
+    cb = StaleStateCallback(reset="theory")
+    fit(tmp_path, model, cb, steps=3)
+    betas = {(id(r.slot.param), r.moment): r.slot.beta for r in records(cb).values()}
+    assert betas[(id(model.net[0].weight), "m")] == 0.9 and betas[(id(model.net[0].weight), "v")] == 0.95
+    assert betas[(id(model.net[2].weight), "m")] == 0.8 and betas[(id(model.net[2].weight), "v")] == 0.99
+    periods = cb.reset_periods()
+    for name, b2 in (("net.0.weight", 0.95), ("net.2.weight", 0.99)):
+        assert periods[name] == theory.reset_period(theory.format_rho_hat("bf16", b2), b2, 0.6)
+    assert periods["net.0.weight"] != periods["net.2.weight"]
+
+
+# -- optimizers and lifecycle ----------------------------------------------------------------------------------------
+
+
+class TwoOptimizers(Net):
+    """Manual optimization: bitsandbytes for the first layer, QuantizedAdamW for the second, stepped every other
+    batch (as a GAN's discriminator might be)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        first, second = self.optimizers()
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.net(x), y))
+        first.step()
+        if batch_idx % 2 == 0:
+            second.step()
+
+    def configure_optimizers(self):
+        return make_optimizer("bnb", self.net[0].parameters()), make_optimizer("qadamw:int8_dynamic",
+                                                                             self.net[2].parameters())
+
+
+def test_two_optimizers_in_manual_optimization(tmp_path):
+    cb = StaleStateCallback(reset=PeriodicReset(2), log_per_param=True)
+    resets: list[str] = []
+    cb.add_reset_listener(lambda opt, slots: resets.append(type(opt).__name__))
+    model = TwoOptimizers()
+    trainer = trainer_for(tmp_path, [cb], steps=12, limit_train_batches=8, max_epochs=1)
+    trainer.fit(model)
+    assert_fractions_valid(trainer)
+    assert [t.steps for t in cb._tracked] == [8, 4]
+    assert resets.count("AdamW8bit") == 4 and resets.count("QuantizedAdamW") == 2
+    keys = set(cb.reset_periods())
+    assert keys == {"opt0/net.0.weight", "opt0/net.0.bias", "opt1/net.2.weight", "opt1/net.2.bias"}
+
+
+def test_same_callback_instance_for_two_fits_and_a_replaced_optimizer(tmp_path):
+    cb = StaleStateCallback(reset=PeriodicReset(4))
+    first = Net("bnb")
+    t1 = fit(tmp_path / "a", first, cb, steps=5)
+    old_opt = t1.optimizers[0]
+    assert not old_opt._optimizer_step_pre_hooks and not old_opt._optimizer_step_post_hooks  # removed at teardown
+    assert cb._tracked[0].steps == 5
+
+    second = Net("torch")  # a new model and a different optimizer family, same callback
+    t2 = fit(tmp_path / "b", second, cb, steps=5)
+    assert_fractions_valid(t2)
+    assert len(cb._tracked) == 1 and cb._tracked[0].adapter.optimizer is t2.optimizers[0]
+    assert cb._tracked[0].steps == 5  # counting restarted with the new optimizer
+    assert {r.slot.format for r in records(cb).values()} == {"fp32"}
+    assert {id(r.slot.param) for r in records(cb).values()} <= {id(p) for p in second.parameters()}
+    assert cb.reset_events == 2  # one reset (after step 4) in each fit
+
+
+def test_optimizer_state_from_a_checkpoint_saved_without_the_callback(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer_for(tmp_path / "plain", [ckpt], steps=4, enable_checkpointing=True).fit(Net("bnb"))
+    path = tmp_path / "ckpt" / "last.ckpt"
+    assert "StaleStateCallback" not in str(torch.load(path, weights_only=False)["callbacks"].keys())
+
+    cb = StaleStateCallback(track="exact", reset=PeriodicReset(3))
+    trainer = trainer_for(tmp_path / "resumed", [cb], steps=8)
+    trainer.fit(Net("bnb"), ckpt_path=path)
+    assert_fractions_valid(trainer)
+    assert cb._tracked[0].steps == 4  # steps seen by this callback: the resumed ones only
+    assert cb.reset_events == 1  # after its 3rd step since tracking began (global step 7)
+    drift = logged(trainer, "stale/v/drift")
+    assert drift and abs(drift[0] - 1.0) < 0.2  # the shadow started from the restored state, not from zero
+
+
+def test_checkpoint_with_a_different_number_of_optimizers_fails_with_advice(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = trainer_for(tmp_path / "two", [StaleStateCallback(), ckpt], steps=4, enable_checkpointing=True,
+                          limit_train_batches=2, max_epochs=2)
+    trainer.fit(TwoOptimizers())
+
+    class OneOptimizer(TwoOptimizers):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(nn.functional.mse_loss(self.net(x), y))
+            opt.step()
+
+        def configure_optimizers(self):  # the first optimizer alone: Lightning loads its state, the callback's fails
+            return make_optimizer("bnb", self.net[0].parameters())
+
+    resumed = trainer_for(tmp_path / "one", [StaleStateCallback()], steps=8)
+    with pytest.raises(MisconfigurationException, match="Resume with the same optimizers"):
+        resumed.fit(OneOptimizer(), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+
+
+def test_unsupported_optimizer_fails_fast_with_advice_and_strict_false_falls_back(tmp_path):
+    class Adamax(Net):
+        def configure_optimizers(self):
+            return torch.optim.Adamax(self.parameters(), lr=LR)
+
+    with pytest.raises(TypeError, match="no lightning_stale adapter for optimizer torch.optim.adamax.Adamax.*strict=False"):
+        fit(tmp_path / "strict", Adamax(), StaleStateCallback(), steps=2)
+    with pytest.warns(UserWarning, match="generic adapter"):
+        trainer = fit(tmp_path / "lenient", Adamax(), StaleStateCallback(strict=False), steps=3)
+    assert logged(trainer, "stale/frac")
+
+
+# -- constructor arguments (those test_callback.py does not cover) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"reset": 5}, "`reset` must be None, one of"),
+        ({"reset": PeriodicReset}, "`reset` must be None, one of"),
+        ({"reset": "periodic", "every": 2.5}, "`every` must be a positive int"),
+        ({"reset": "periodic", "every": True}, "`every` must be a positive int"),
+        ({"reset": "adaptive", "s0": "0.6"}, "`s0` must be a float in"),
+        ({"reset": "adaptive", "s0": float("nan")}, "`s0` must be a float in"),
+        ({"reset": "theory", "s0": 0.0}, "`s0` must be a float in"),
+        ({"reset": "adaptive", "min_interval": 2.5}, "`min_interval` must be a positive int"),
+        ({"moments": ()}, "`moments` must be a non-empty tuple"),
+        ({"moments": ("m", "w")}, "`moments` must be a non-empty tuple"),
+        ({"track": None}, "`track` must be 'sample' or 'exact'"),
+        ({"sample_size": True}, "`sample_size` must be a positive int"),
+        ({"sample_size": 10.0}, "`sample_size` must be a positive int"),
+        ({"track_every": 0}, "`track_every` must be a positive int"),
+        ({"log_key_prefix": None}, "`log_key_prefix` must be a non-empty string"),
+        ({"log_per_param": "yes"}, "`log_per_param` must be True or False"),
+        ({"strict": "no"}, "`strict` must be True or False"),
+        ({"seed": 1.5}, "`seed` must be an int"),
+        ({"seed": "0"}, "`seed` must be an int"),
+    ],
+)
+def test_more_invalid_arguments_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StaleStateCallback(**kwargs)
