@@ -60,6 +60,8 @@ class _Tracked:
     steps: int = 0
     measuring: bool = False
     announced: bool = False
+    adopted: int = -1  # tracker.version whose records are grouped into units
+    warming: dict[str, torch.Tensor] = field(default_factory=dict)  # parameters before a warm-up step
 
 
 class StaleStateCallback(Callback):
@@ -86,6 +88,9 @@ class StaleStateCallback(Callback):
             moment is exactly zero while m is not (see :mod:`lightning_stale.guard`): prevents the
             ``lr * m / eps`` jump a later zero gradient would cause. Off by default; costs one full pass over the
             state per step. Resets chosen by the policy are applied after it and are not altered.
+        warmup_steps: after a reset, scale the next ``warmup_steps`` parameter updates of the reset parameters by
+            ``i / warmup_steps`` (i = 1, 2, ...), as SPAM does: the first update after a hard reset is a sign-like
+            step of size lr on every coordinate. 0 (default) disables it. Costs one copy of each warming parameter.
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class StaleStateCallback(Callback):
         strict: bool = True,
         seed: int = 0,
         underflow_guard: bool = False,
+        warmup_steps: int = 0,
     ) -> None:
         super().__init__()
         if track not in ("sample", "exact"):
@@ -115,6 +121,8 @@ class StaleStateCallback(Callback):
         for name, value in (("log_per_param", log_per_param), ("strict", strict), ("underflow_guard", underflow_guard)):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"`warmup_steps` must be an int >= 0 (0 disables the post-reset warm-up), got {warmup_steps!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"`seed` must be an int, got {seed!r}")
         self.policy = make_policy(reset, every, s0, min_interval, check_moments(moments))
@@ -126,6 +134,7 @@ class StaleStateCallback(Callback):
         self.strict = strict
         self.seed = seed
         self.underflow_guard = underflow_guard
+        self.warmup_steps = warmup_steps
         self.reset_events = 0
         self._tracked: list[_Tracked] = []
         self._handles: list[RemovableHandle] = []
@@ -180,7 +189,7 @@ class StaleStateCallback(Callback):
             self._handles.append(t.adapter.optimizer.register_step_pre_hook(partial(self._before_step, t)))
             self._handles.append(t.adapter.optimizer.register_step_post_hook(partial(self._after_step, t)))
             t.tracker.refresh(fresh_state=False)
-            self._adopt_new_units(t, fresh=False)
+            self._adopt_new_units(t)
             rank_zero_info(f"[lightning_stale] optimizer {i}: {t.adapter.describe()}; policy: {self.policy!r}; "
                            f"tracking: {self.track}" + (f"({self.sample_size})" if self.track == "sample" else "")
                            + f" every {self.track_every} step(s)")
@@ -211,6 +220,17 @@ class StaleStateCallback(Callback):
     def _before_step(self, t: _Tracked, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         t.measuring = (t.steps + 1) % self.track_every == 0
         t.tracker.before_step(t.measuring)
+        t.warming = {u.key: u.param.detach().clone() for u in t.units.values() if u.warmup_left > 0}
+
+    def _warm_up(self, t: _Tracked) -> None:
+        """Scale this step's update of recently reset parameters: p = p_old + (i / warmup_steps) * (p - p_old)."""
+        for key, old in t.warming.items():
+            unit = t.units[key]
+            factor = (self.warmup_steps - unit.warmup_left + 1) / self.warmup_steps
+            with torch.no_grad():
+                unit.param.lerp_(old, 1.0 - factor)
+            unit.warmup_left -= 1
+        t.warming = {}
 
     def _after_step(self, t: _Tracked, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         found_inf = kwargs.get("found_inf") if isinstance(kwargs, dict) else None
@@ -218,8 +238,10 @@ class StaleStateCallback(Callback):
             t.tracker.before_step(False)  # fused optimizer skipped internally: forget the snapshot, count nothing
             return
         t.steps += 1
+        if t.warming:
+            self._warm_up(t)
         measured = t.tracker.after_step(t.measuring, t.adapter.builtin_stall_counts() if t.measuring else None)
-        self._adopt_new_units(t, fresh=True)
+        self._adopt_new_units(t)
         if self.underflow_guard:
             guard.guard_underflow(record.slot for record in t.tracker.records.values())
         for record in measured:
@@ -241,8 +263,11 @@ class StaleStateCallback(Callback):
         tracker = StallTracker(adapter, f"opt{index}", self.track, self.sample_size, self.seed)
         return _Tracked(optimizer, adapter, tracker)
 
-    def _adopt_new_units(self, t: _Tracked, fresh: bool) -> None:
+    def _adopt_new_units(self, t: _Tracked) -> None:
         """Group newly seen slots by parameter into reset units and let the policy configure them."""
+        if t.tracker.version == t.adopted:
+            return
+        t.adopted = t.tracker.version
         new_units = []
         for key, record in t.tracker.records.items():
             unit = t.units.get(record.unit)
@@ -293,6 +318,7 @@ class StaleStateCallback(Callback):
                     record.resync_shadow()
                     slots.append(record.slot)
             unit.age, unit.measured, unit.accumulator = 0, 0, 0.0
+            unit.warmup_left = self.warmup_steps
             unit.resets += 1
             unit.last_reset_step = step
         self.reset_events += 1
@@ -377,7 +403,8 @@ class StaleStateCallback(Callback):
             "records": {k: {"shadow": r.shadow, "totals": r.totals} for k, r in t.tracker.records.items()},
             "units": {
                 k: {"age": u.age, "measured": u.measured, "accumulator": u.accumulator, "period": u.period,
-                    "resets": u.resets, "period_source": u.period_source, "last_reset_step": u.last_reset_step}
+                    "resets": u.resets, "period_source": u.period_source, "last_reset_step": u.last_reset_step,
+                    "warmup_left": u.warmup_left}
                 for k, u in t.units.items()
             },
         }

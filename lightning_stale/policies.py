@@ -34,6 +34,7 @@ class ResetUnit:
     resets: int = 0
     period_source: str = ""
     last_reset_step: int = -1
+    warmup_left: int = 0  # post-reset update warm-up steps still to apply (see StaleStateCallback.warmup_steps)
 
     @property
     def param(self):  # noqa: ANN201 - a torch Parameter

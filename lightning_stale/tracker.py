@@ -81,6 +81,7 @@ class StallTracker:
         self.sample_size = sample_size
         self.seed = seed
         self.records: dict[str, SlotRecord] = {}
+        self.version = 0  # bumped whenever records are added or rebuilt
         self.restored: dict[str, dict] = {}  # shadow and totals from a checkpoint, adopted when the slot appears
         self._param_index: dict[int, int] = {}
         self._n_state = -1
@@ -127,6 +128,7 @@ class StallTracker:
                 record.resync_shadow()
             self.records[key] = record
             new.append(record)
+        self.version += bool(new)
         return new
 
     def rebind(self) -> None:

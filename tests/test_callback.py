@@ -276,3 +276,28 @@ def test_policy_constructors_validate():
         TheoryReset(s0=0)
     with pytest.raises(ValueError, match="`moments`"):
         AdaptiveReset(moments=())
+
+
+def test_post_reset_warmup_scales_the_first_updates(tmp_path):
+    class Snapshots(L.Callback):
+        def __init__(self):
+            self.weights = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.weights.append(pl_module.net[0].weight.detach().clone())
+
+    runs = {}
+    for warmup in (0, 4):
+        snaps = Snapshots()
+        cb = StaleStateCallback(reset="periodic", every=5, warmup_steps=warmup)
+        trainer = L.Trainer(default_root_dir=tmp_path, max_steps=8, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, snaps])
+        trainer.fit(Regression("qadamw:fp32"))
+        runs[warmup] = snaps.weights
+    plain, warm = runs[0], runs[4]
+    assert torch.equal(plain[4], warm[4])  # identical up to the reset after step 5
+    full, scaled = plain[5] - plain[4], warm[5] - warm[4]
+    assert full.abs().max() > 0
+    torch.testing.assert_close(scaled, full / 4, rtol=1e-4, atol=1e-7)  # step 6: the first of 4 warm-up steps
+    with pytest.raises(ValueError, match="`warmup_steps` must be"):
+        StaleStateCallback(warmup_steps=-1)
