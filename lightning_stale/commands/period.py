@@ -96,6 +96,9 @@ def report(args: argparse.Namespace) -> list[str]:
     lines.append(f"  recommended reset period K* (s0 = {args.s0:g}): {_steps(k_star)}")
     sweep = "  ".join(f"{s0:g}: {_steps(theory.reset_period(rho, beta2, s0))}" for s0 in S0_SWEEP)
     lines.append(f"  s0 sweep: {sweep}")
+    if p_used < 0.5:
+        lines.append(f"  note: only {p_used:.0%} of v updates stall at steady state; resets are unlikely to pay off "
+                     "(the paper found them slightly harmful on fp32 states)")
     if rho < 1:
         lines.append("  note: rho-hat < 1, K* uses Eq. 39 with its lower term (our extension; the paper's Eq. 53 "
                      "needs rho-hat >= 1)")

@@ -263,6 +263,8 @@ def reset_period(rho: float, beta: float, s0: float = 0.6, k_max: int | None = N
     the lower term [extension]: S(j) still rises monotonically to 1, so the crossing exists.
     Returns None only if no crossing is found up to ``k_max`` (default ``max(10_000, 50 / (1 - beta))``).
     s0 is the staleness tolerance (0.6 throughout the paper); P_init cancels in S(j) and does not enter.
+    S(j) is relative to the steady state, so K* stays finite even when almost nothing stalls (fp32, or bf16 at
+    b2 = 0.99): check :func:`stall_probability` first; the paper found resets slightly harmful on fp32 states.
     """
     rho, beta = check_rho(rho), check_beta(beta)
     s0 = float(s0)
