@@ -68,7 +68,8 @@ def _train(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], steps: 
 def test_period_reads_a_saved_quantized_adamw_state(capsys, tmp_path):
     from lightning_stale.optim import QuantizedAdamW
 
-    params = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(4096))]
+    params = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(4096)),
+              torch.nn.Parameter(torch.randn(10))]  # below min_quantized_size: fp32 moments, left out
     opt = QuantizedAdamW(params, betas=(0.9, 0.995), state_format="int8_dynamic")
     _train(opt, params)
     torch.save(opt.state_dict(), tmp_path / "opt.pt")
@@ -76,12 +77,12 @@ def test_period_reads_a_saved_quantized_adamw_state(capsys, tmp_path):
     assert rc == 0
     assert "QuantizedAdamW int8_dynamic" in out and "our extension" in out
     assert "beta2 = 0.995" in out  # read from the saved param group
-    assert re.search(r"from 12,288 stored v values", out)
+    assert "from 12,288 stored v values" in out and "1 fp32 state tensor(s) left out" in out
 
 
 def test_period_reads_a_saved_bitsandbytes_state(capsys, tmp_path):
     bnb = pytest.importorskip("bitsandbytes")
-    params = [torch.nn.Parameter(torch.randn(64, 80))]
+    params = [torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(80))]  # the bias stays fp32
     opt = bnb.optim.Adam8bit(params, betas=(0.9, 0.999))
     _train(opt, params)
     torch.save(opt.state_dict(), tmp_path / "bnb.pt")

@@ -42,31 +42,35 @@ def v_sample(
 ) -> tuple[Tensor, Tensor, float | None, str]:
     """(values, spacing, beta2 or None, description) of the stored v of every parameter in an optimizer state_dict.
 
-    At most ``limit`` elements are kept (a uniform random subset, seeded). Raises ValueError when no second moment
-    with a known layout is found.
+    fp32 states (small parameters that 8-bit optimizers keep in fp32) are left out when any low-precision state
+    exists: their tiny spacing would dominate the harmonic mean of the grid estimate. At most ``limit`` elements are
+    kept (a uniform random subset, seeded). Raises ValueError when no second moment with a known layout is found.
     """
     if not isinstance(state_dict, Mapping) or "state" not in state_dict:
         raise ValueError("state must be an optimizer state_dict (a mapping with 'state' and 'param_groups')")
     groups = state_dict.get("param_groups", [])
     group_of = {pid: g for g in groups for pid in g.get("params", [])}
-    values, spacings, kinds = [], [], set()
-    for pid, entry in state_dict["state"].items():
-        found = _v_of_entry(entry, group_of.get(pid, {}))
-        if found is not None:
-            v, u, kind = found
-            values.append(v.reshape(-1).float())
-            spacings.append(u.reshape(-1).float())
-            kinds.add(kind)
-    if not values:
+    found = [_v_of_entry(entry, group_of.get(pid, {})) for pid, entry in state_dict["state"].items()]
+    found = [f for f in found if f is not None]
+    if not found:
         raise ValueError("state has no second moment in a known layout (QuantizedAdamW exp_avg_sq, bitsandbytes "
                          "state2, torchao exp_avg_sq, or a float exp_avg_sq)")
-    v, u = torch.cat(values), torch.cat(spacings)
+    kept = [f for f in found if not _is_fp32(f[2])] or found
+    v = torch.cat([f[0].reshape(-1).float() for f in kept])
+    u = torch.cat([f[1].reshape(-1).float() for f in kept])
+    described = ", ".join(sorted({f[2] for f in kept}))
+    if len(kept) < len(found):
+        described += f"; {len(found) - len(kept)} fp32 state tensor(s) left out"
     if v.numel() > limit:
         keep = torch.randperm(v.numel(), generator=torch.Generator().manual_seed(seed))[:limit]
         v, u = v[keep], u[keep]
     betas = groups[0].get("betas") if groups else None
     beta2 = float(betas[1]) if betas is not None else None
-    return v, u, beta2, ", ".join(sorted(kinds))
+    return v, u, beta2, described
+
+
+def _is_fp32(kind: str) -> bool:
+    return kind.endswith(("fp32", "float32"))
 
 
 def _v_of_entry(entry: Mapping[str, Any], group: Mapping[str, Any]) -> tuple[Tensor, Tensor, str] | None:
