@@ -111,7 +111,7 @@ class StallTracker:
         new = []
         for slot in self.adapter.slots():
             key = self.slot_key(slot)
-            if key in self.records and self.records[key].slot.codes().data_ptr() == slot.codes().data_ptr():
+            if key in self.records and self.records[key].slot.storage_id() == slot.storage_id():
                 continue
             old = self.records.get(key)
             numel = slot.numel

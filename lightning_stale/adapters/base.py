@@ -60,6 +60,10 @@ class Slot:
         """Absolute local grid spacing at each stored value (ulp convention), flat; ``None`` if unknown."""
         return None
 
+    def storage_id(self) -> int:
+        """Identifies the stored buffer, to notice when an optimizer replaced it (e.g. ``load_state_dict``)."""
+        return self.codes().data_ptr()
+
     def codes_at(self, index: Tensor) -> Tensor:
         """Codes at flat indices ``index``."""
         return self.codes().reshape(-1)[index]
@@ -225,6 +229,9 @@ class Packed4bitSlot(BlockQmapSlot):
     @property
     def numel(self) -> int:
         return self.param.numel()  # without unpacking the codes
+
+    def storage_id(self) -> int:
+        return self.stored.data_ptr()
 
     def codes(self) -> Tensor:
         packed = self.stored.reshape(-1)
