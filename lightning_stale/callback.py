@@ -5,9 +5,9 @@ callback (Lightning hooks, logging, checkpointing).
 
 Tracking runs in torch's optimizer step pre/post hooks on the raw optimizers, so only steps that really ran are
 counted (a GradScaler-skipped step never calls ``step()``; fused optimizers that skip internally are recognised by
-their ``found_inf`` argument). Reset decisions are made right after the step that completes a period and are
-identical on every rank: periodic and theory periods depend only on step counts, measurement-driven decisions are
-reduced across ranks ("any rank").
+the ``found_inf`` flag GradScaler sets on them). Reset decisions are made right after the step that completes a
+period and are identical on every rank: periodic and theory periods depend only on step counts, measurement-driven
+decisions are reduced across ranks ("any rank").
 """
 
 from __future__ import annotations
@@ -233,8 +233,9 @@ class StaleStateCallback(Callback):
         t.warming = {}
 
     def _after_step(self, t: _Tracked, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        found_inf = kwargs.get("found_inf") if isinstance(kwargs, dict) else None
-        if found_inf is not None and bool(found_inf.item()):
+        # GradScaler hands a fused/AMP-aware optimizer its verdict as the attribute ``found_inf`` during step()
+        found_inf = getattr(optimizer, "found_inf", None)
+        if found_inf is not None and bool(found_inf):
             t.tracker.before_step(False)  # fused optimizer skipped internally: forget the snapshot, count nothing
             return
         t.steps += 1
