@@ -13,7 +13,7 @@ def float_ulp(a: Tensor, mantissa_bits: int, min_exponent: int) -> Tensor:
     [1, 2). This is the distance to the next larger magnitude (and, below the top binade boundary, to the next
     smaller one); at 0 it is the smallest subnormal."""
     _, e = torch.frexp(a)
-    e = (e - 1).clamp_(min=min_exponent) - mantissa_bits
+    e = (e - 1).clamp_(min=min_exponent).masked_fill_(a == 0, min_exponent) - mantissa_bits  # frexp(0) has e = 0
     return torch.ldexp(torch.ones_like(a), e)
 
 
