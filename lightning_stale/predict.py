@@ -13,7 +13,7 @@ import numpy as np
 from torch import Tensor
 
 from lightning_stale import theory
-from lightning_stale.adapters.base import Slot
+from lightning_stale.adapters.base import Slot, gather
 from lightning_stale.formats import FORMAT_NAMES, get_format
 
 
@@ -29,17 +29,24 @@ def slot_rho_hat(slot: Slot, index: Tensor) -> tuple[float | None, str]:
     spacing = slot.spacing()
     if spacing is None or index.numel() == 0:
         return None, f"unknown grid ({slot.format})"
-    estimate = theory.estimate_grid(slot.value_at(index).float(), spacing.reshape(-1)[index].float(), slot.beta)
+    estimate = theory.estimate_grid(slot.value_at(index).float(), gather(spacing, index).float(), slot.beta)
     if estimate.n == 0:
         return None, f"grid estimate ({slot.format}): no non-zero values yet"
     return estimate.rho_hat, f"grid estimate ({slot.format})"
 
 
 def reset_period_for(slot: Slot, index: Tensor, s0: float) -> tuple[int | None, str]:
-    """The theory-guided reset period K* of a slot, or None (with the reason) when no reset is warranted."""
+    """The theory-guided reset period K* of a slot, or None (with the reason) when no reset is warranted.
+
+    The paper's crossing rule (Eq. 53) is derived for rho-hat >= 1, where most updates stall at steady state; below
+    that the state keeps moving and we do not reset (K* is defined relative to the steady state, so it would stay
+    finite even for an almost never stalling state).
+    """
     rho, source = slot_rho_hat(slot, index)
     if rho is None:
         return None, source
+    if rho < 1.0:
+        return None, f"{source}, rho-hat {rho:.2f} < 1: state keeps moving, no reset"
     period = theory.reset_period(rho, slot.beta, s0)
     return period, source if period is not None else f"{source}, rho-hat {rho:.2f}: no crossing"
 

@@ -195,16 +195,26 @@ def test_theory_resets_at_the_theory_period(tmp_path):
     from lightning_stale import theory
 
     class ShortBeta(Regression):
-        def configure_optimizers(self):  # b2 = 0.9 makes fp8's K* short enough for a unit test
-            return QuantizedAdamW(self.parameters(), betas=(0.9, 0.9), state_format="fp8_e4m3", min_quantized_size=1)
+        def configure_optimizers(self):  # b2 = 0.95 makes fp4's K* (rho-hat 1.7) short enough for a unit test
+            return QuantizedAdamW(self.parameters(), betas=(0.9, 0.95), state_format="fp4", min_quantized_size=1)
 
-    k_star = theory.reset_period(theory.format_rho_hat("fp8_e4m3", 0.9), 0.9, 0.6)
-    assert 2 <= k_star <= 20
+    k_star = theory.reset_period(theory.format_rho_hat("fp4_e2m2", 0.95), 0.95, 0.6)
+    assert 2 <= k_star <= 30
     cb = StaleStateCallback(reset="theory")
     recorder = ResetRecorder(cb)
     fit(tmp_path, ShortBeta(), cb, steps=3 * k_star + 1)
     assert recorder.steps == [k_star, 2 * k_star, 3 * k_star]
     assert set(cb.reset_periods().values()) == {k_star}
+
+
+def test_theory_does_not_reset_states_that_keep_moving(tmp_path):
+    class MovingState(Regression):
+        def configure_optimizers(self):  # bf16 at b2 = 0.99: rho-hat 0.27, most updates move the state
+            return QuantizedAdamW(self.parameters(), betas=(0.9, 0.99), state_format="bf16", min_quantized_size=1)
+
+    cb = StaleStateCallback(reset="theory")
+    fit(tmp_path, MovingState(), cb, steps=5)
+    assert set(cb.reset_periods().values()) == {None}
 
 
 def test_adaptive_resets_a_stale_state_and_not_an_fp32_control(tmp_path):
