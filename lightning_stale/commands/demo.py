@@ -1,0 +1,58 @@
+"""``lightning-stale demo``: pre-train a small byte-level LLaMA-style model with several optimizer-state formats."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Train a small LM with fp32, 8-bit, fp8 and fp4 optimizer states (with and without resets) and compare."
+
+# Kept in sync with lightning_stale.demo.runner (checked by the tests) so that --help needs no torch import.
+DEFAULT_CONFIGS = "fp32,bnb8bit,fp8,fp8+reset,fp4,fp4+reset,fp8-sr+reset,fp4-sr+reset"
+STORAGES = "fp32, bnb8bit, bf16, fp8, fp4, int8"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=600, help="training steps per configuration (default: 600)")
+    parser.add_argument(
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help=f"comma-separated configurations (default: {DEFAULT_CONFIGS}). A name is <storage>[-sr][+reset] with "
+        f"storage one of {STORAGES}; -sr (stochastic rounding) exists for bf16, fp8, fp4, int8; +reset adds "
+        "StaleStateCallback(reset='theory')",
+    )
+    parser.add_argument("--out", default="stale-demo", help="output folder for logs, table and figure (default: ./stale-demo)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for model initialization and data order (default: 0)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per run (default: 1, fastest for this small model on a 2-core or busy machine)",
+    )
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="a text file or folder to train on (default: the Python standard library's *.py source)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lightning_stale.demo.runner import DemoSettings, format_table, prepare_corpus, resolve_configs, run_demo
+
+    try:
+        configs = resolve_configs(args.configs)
+        settings = DemoSettings(steps=args.steps, seed=args.seed, data=args.data, threads=args.threads)
+        corpus = prepare_corpus(settings)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"lightning-stale demo: error: {error}")
+        return 2
+    out = Path(args.out)
+    results = run_demo(settings, configs, out, corpus)
+    print()
+    print(format_table(results))
+    print()
+    print(f"table:   {out / 'results.txt'} (and results.json)")
+    print(f"figure:  {out / 'demo.png'}")
+    print(f"logs:    {out / 'logs'}/<config>/seed{args.seed}/metrics.csv")
+    return 0

@@ -1,0 +1,395 @@
+"""Train the demo configurations on identical data, then tabulate and plot what the stale-state callback measured.
+
+Shared by ``lightning-stale demo`` and ``benchmarks/recovery.py``: a configuration is an optimizer (state format and
+rounding) plus an optional reset policy, and :func:`train_config` turns one into a :class:`RunResult`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib.util
+import json
+import logging
+import math
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from lightning_stale.demo.data import DEFAULT_MAX_BYTES, ByteCorpus, load_corpus
+from lightning_stale.demo.model import DecoderConfig, LanguageModel, OptimizerSpec
+
+STALL_KEYS = {
+    "v_frac": "stale/v/frac",
+    "v_predicted": "stale/v/predicted",
+    "v_drift": "stale/v/drift",
+    "m_frac": "stale/m/frac",
+    "resets": "stale/resets",
+}
+MIN_GAP_FOR_SHARE = 0.005  # below this gap (about the seed noise at CPU scale) a "share recovered" means nothing
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One demo configuration: how the optimizer stores its states and whether the callback resets them.
+
+    ``baseline`` names the configuration without resets (nearest rounding) that a reset variant is compared with.
+    """
+
+    name: str
+    kind: str
+    state_format: str = "fp32"
+    rounding: str = "nearest"
+    reset: str | None = None
+    baseline: str | None = None
+    description: str = ""
+
+    def optimizer_spec(self, settings: DemoSettings) -> OptimizerSpec:
+        return OptimizerSpec(
+            kind=self.kind,
+            state_format=self.state_format,
+            rounding=self.rounding,
+            lr=settings.lr,
+            betas=(0.9, settings.beta2),
+            eps=settings.eps,
+            weight_decay=settings.weight_decay,
+            min_quantized_size=settings.min_quantized_size,
+        )
+
+
+def _build_configs() -> dict[str, RunConfig]:
+    """Name every (storage, rounding, reset) combination: ``<storage>[-sr][+reset]``."""
+    storages = {  # name: (optimizer kind, state format, words)
+        "fp32": ("adamw", "fp32", "torch AdamW, fp32 states"),
+        "bnb8bit": ("bnb_adamw8bit", "fp32", "bitsandbytes AdamW8bit (block-wise 8-bit states)"),
+        "bf16": ("quantized", "bf16", "QuantizedAdamW, bf16 states"),
+        "fp8": ("quantized", "fp8_e4m3", "QuantizedAdamW, fp8 E4M3 states (per-tensor scale)"),
+        "fp4": ("quantized", "fp4", "QuantizedAdamW, fp4 states (block 128)"),
+        "int8": ("quantized", "int8_dynamic", "QuantizedAdamW, int8 dynamic-map states"),
+    }
+    configs = {}
+    for storage, (kind, state_format, words) in storages.items():
+        roundings = ["nearest"] if kind != "quantized" else ["nearest", "stochastic"]
+        for rounding in roundings:
+            for reset in (None, "theory"):
+                name = storage + ("-sr" if rounding == "stochastic" else "") + ("+reset" if reset else "")
+                text = words + (", stochastic rounding" if rounding == "stochastic" else "")
+                text += ", theory-period resets" if reset else ""
+                baseline = None if name == storage else storage
+                configs[name] = RunConfig(name, kind, state_format, rounding, reset, baseline, text)
+    return configs
+
+
+CONFIGS: dict[str, RunConfig] = _build_configs()
+DEFAULT_CONFIGS = ("fp32", "bnb8bit", "fp8", "fp8+reset", "fp4", "fp4+reset", "fp8-sr+reset", "fp4-sr+reset")
+
+
+def resolve_configs(names: str | Sequence[str]) -> list[RunConfig]:
+    """Look up configurations by name (a comma-separated string or a list); unknown names raise ValueError."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if not names:
+        raise ValueError("configs must name at least one configuration")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configs {unknown}; available: {', '.join(CONFIGS)}")
+    return [CONFIGS[n] for n in dict.fromkeys(names)]
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Everything shared by the runs of one comparison (model, data, schedule, logging)."""
+
+    steps: int = 600
+    seed: int = 0
+    batch_size: int = 16
+    model: DecoderConfig = field(default_factory=DecoderConfig)
+    lr: float = 2e-3
+    beta2: float = 0.999
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    min_quantized_size: int = 128
+    evaluations: int = 6
+    val_batches: int = 20
+    log_every: int = 10
+    data: str | None = None
+    max_bytes: int = DEFAULT_MAX_BYTES
+    progress_bar: bool = True
+    threads: int | None = 1  # torch threads per run: one is fastest for this model on a busy or 2-core machine
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "evaluations", "val_batches", "log_every", "max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be None or >= 1, got {self.threads}")
+
+
+@dataclass
+class RunResult:
+    """What one training run produced: final validation loss, state memory, stall metrics and their curves."""
+
+    name: str
+    seed: int
+    val_loss: float
+    state_bytes_per_param: float
+    seconds: float
+    log_dir: str
+    v_frac: float = math.nan
+    v_predicted: float = math.nan
+    v_drift: float = math.nan
+    resets: float = math.nan
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's state tensors (each storage counted once, e.g. a shared quantization map)."""
+    seen, total = set(), 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.numel() and value.data_ptr() not in seen:
+                seen.add(value.data_ptr())
+                total += value.numel() * value.element_size()
+    return total
+
+
+def read_metric_curves(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every column of a CSVLogger ``metrics.csv`` as a list of (step, value), empty cells skipped."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    with metrics_csv.open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            step = int(row["step"])
+            for key, value in row.items():
+                if key not in ("step", "epoch") and value not in ("", None):
+                    curves.setdefault(key, []).append((step, float(value)))
+    return curves
+
+
+@torch.no_grad()
+def evaluate(model: LanguageModel, loader: torch.utils.data.DataLoader) -> float:
+    """Mean next-byte cross-entropy over the loader's batches."""
+    model.eval()
+    losses = [model._loss(batch).item() for batch in loader]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Hide Lightning's per-run info lines and the few-workers warning, which repeat for every configuration."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            warnings.filterwarnings("ignore", message=".*is smaller than the logging interval.*")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _progress_bar(title: str):  # noqa: ANN202 (a Lightning callback)
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    class TitledBar(TQDMProgressBar):
+        """Lightning's bar, labelled with the configuration name instead of the epoch number."""
+
+        def on_train_epoch_start(self, trainer, *args) -> None:  # noqa: ANN001
+            super().on_train_epoch_start(trainer, *args)
+            self.train_progress_bar.set_description(title)
+
+    return TitledBar()
+
+
+def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, log_root: Path) -> RunResult:
+    """Train one configuration from the settings' seed, with the stale-state callback attached, and collect results.
+
+    The callback only monitors when ``config.reset`` is None, so stall metrics exist for every configuration.
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_stale import StaleStateCallback
+
+    pl.seed_everything(settings.seed, verbose=False)
+    model = LanguageModel(settings.model, config.optimizer_spec(settings), total_steps=settings.steps)
+    version = f"seed{settings.seed}"
+    loggers = [CSVLogger(log_root, name=config.name, version=version)]
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        loggers.append(TensorBoardLogger(log_root, name=config.name, version=version))
+    callbacks = [StaleStateCallback(reset=config.reset)]
+    if settings.progress_bar:
+        callbacks.append(_progress_bar(config.name))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=settings.steps,
+        logger=loggers,
+        callbacks=callbacks,
+        log_every_n_steps=settings.log_every,
+        gradient_clip_val=1.0,
+        val_check_interval=max(1, settings.steps // settings.evaluations),
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=settings.progress_bar,
+    )
+    train_loader = corpus.train_loader(settings.steps, settings.batch_size, settings.seed)
+    val_loader = corpus.val_loader(settings.val_batches, settings.batch_size, settings.seed)
+    start = time.perf_counter()
+    with quiet_lightning():
+        trainer.fit(model, train_loader, val_loader)
+    seconds = time.perf_counter() - start
+    val_loss = evaluate(model, val_loader)
+    n_params = sum(p.numel() for p in model.parameters())
+    curves = read_metric_curves(Path(loggers[0].log_dir) / "metrics.csv")
+    val_curve = curves.setdefault("val/loss", [])
+    if not val_curve or val_curve[-1][0] < settings.steps:
+        val_curve.append((settings.steps, val_loss))
+    result = RunResult(
+        name=config.name,
+        seed=settings.seed,
+        val_loss=val_loss,
+        state_bytes_per_param=optimizer_state_bytes(trainer.optimizers[0]) / n_params,
+        seconds=seconds,
+        log_dir=loggers[0].log_dir,
+        curves=curves,
+    )
+    for attr in ("v_frac", "v_predicted"):
+        points = curves.get(STALL_KEYS[attr], [])
+        if points:
+            setattr(result, attr, sum(v for _, v in points) / len(points))
+    for attr in ("v_drift", "resets"):
+        points = curves.get(STALL_KEYS[attr], [])
+        if points:
+            setattr(result, attr, points[-1][1])
+    return result
+
+
+def recovered_share(loss: float, baseline_loss: float, reference_loss: float) -> float:
+    """Share of the baseline's gap to the reference that ``loss`` closes (1 = fully recovered); NaN without a gap."""
+    gap = baseline_loss - reference_loss
+    if not gap > MIN_GAP_FOR_SHARE:
+        return math.nan
+    return (baseline_loss - loss) / gap
+
+
+def _fmt(value: float, spec: str) -> str:
+    return "-" if value is None or math.isnan(value) else format(value, spec)
+
+
+def format_table(results: Sequence[RunResult], reference: str = "fp32") -> str:
+    """A plain-text results table; gaps are to ``reference``, shares are of each reset variant's baseline gap."""
+    losses = {r.name: r.val_loss for r in results}
+    ref = losses.get(reference, math.nan)
+    header = ["config", "val loss", f"gap to {reference}", "recovered", "state B/param", "v stall", "v stall pred",
+              "v drift", "resets", "time s"]
+    rows = [header]
+    for r in results:
+        baseline = CONFIGS[r.name].baseline if r.name in CONFIGS else None
+        share = math.nan
+        if baseline in losses:
+            share = recovered_share(r.val_loss, losses[baseline], ref)
+        rows.append([
+            r.name, _fmt(r.val_loss, ".4f"), _fmt(r.val_loss - ref, "+.4f"), _fmt(100 * share, ".0f") + ("%" if
+            not math.isnan(share) else ""), _fmt(r.state_bytes_per_param, ".2f"), _fmt(r.v_frac, ".3f"),
+            _fmt(r.v_predicted, ".3f"), _fmt(r.v_drift, ".2f"), _fmt(r.resets, ".0f"), _fmt(r.seconds, ".0f"),
+        ])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    notes = [
+        f"recovered: (baseline loss - loss) / (baseline gap to {reference}) for a reset variant, where the baseline "
+        f"is the same storage without resets and its gap exceeds {MIN_GAP_FOR_SHARE}.",
+        "v stall: mean stalled fraction of the second moment over logged steps (measured / theory prediction); "
+        "v drift: median stored v over an fp32 shadow of it at the end (1 = no drift).",
+    ]
+    return "\n".join(lines + [""] + notes)
+
+
+def plot_results(results: Sequence[RunResult], path: Path, title: str = "") -> None:
+    """Three panels: validation loss; v stall fraction measured (solid) vs predicted (dashed); v drift."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for index, r in enumerate(results):
+        color = f"C{index % 10}"
+        style = "--" if CONFIGS.get(r.name) and CONFIGS[r.name].reset else "-"
+        for ax, key, kwargs in (
+            (axes[0], "val/loss", dict(linestyle=style, marker="o", markersize=3)),
+            (axes[1], STALL_KEYS["v_frac"], dict(linestyle="-")),
+            (axes[1], STALL_KEYS["v_predicted"], dict(linestyle=":", alpha=0.8)),
+            (axes[2], STALL_KEYS["v_drift"], dict(linestyle=style)),
+        ):
+            points = r.curves.get(key, [])
+            if points:
+                steps, values = zip(*points)
+                label = r.name if key != STALL_KEYS["v_predicted"] else None
+                ax.plot(steps, values, color=color, label=label, **kwargs)
+    axes[0].set(title="validation loss (dashed: with resets)", xlabel="step", ylabel="loss")
+    axes[1].set(title="v stalled fraction: measured (solid), theory (dotted)", xlabel="step", ylim=(-0.02, 1.02))
+    axes[2].set(title="v drift: median stored v / fp32 shadow", xlabel="step")
+    axes[2].axhline(1.0, color="black", linewidth=0.8)
+    axes[2].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def prepare_corpus(settings: DemoSettings) -> ByteCorpus:
+    """Load and split the settings' corpus; FileNotFoundError / ValueError for a missing path or too little text."""
+    return ByteCorpus(load_corpus(settings.data, settings.max_bytes), settings.model.context)
+
+
+def run_demo(
+    settings: DemoSettings, configs: Sequence[RunConfig], out: Path, corpus: ByteCorpus | None = None
+) -> list[RunResult]:
+    """Train every configuration, then write ``results.json``, ``results.txt`` and ``demo.png`` into ``out``."""
+    corpus = corpus or prepare_corpus(settings)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    threads = torch.get_num_threads()
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    try:
+        for index, config in enumerate(configs, 1):
+            print(f"[{index}/{len(configs)}] {config.name}: {config.description}", flush=True)
+            results.append(train_config(config, settings, corpus, out / "logs"))
+    finally:
+        torch.set_num_threads(threads)
+    table = format_table(results)
+    (out / "results.txt").write_text(table + "\n")
+    summary = {"settings": asdict(settings), "results": [asdict(r) for r in results]}
+    (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
+    title = f"{settings.steps} steps, beta2 {settings.beta2}, seed {settings.seed}"
+    plot_results(results, out / "demo.png", title=title)
+    return results
+
+
+__all__ = [
+    "CONFIGS",
+    "DEFAULT_CONFIGS",
+    "DemoSettings",
+    "RunConfig",
+    "RunResult",
+    "format_table",
+    "optimizer_state_bytes",
+    "plot_results",
+    "prepare_corpus",
+    "recovered_share",
+    "resolve_configs",
+    "run_demo",
+    "train_config",
+]

@@ -1,0 +1,185 @@
+"""The demo's model, corpus and runner: forward/backward on its own, and a tiny end-to-end ``lightning-stale demo``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_stale.commands import demo as demo_command
+from lightning_stale.demo.data import ByteCorpus, load_corpus, stdlib_source_files
+from lightning_stale.demo.model import Decoder, DecoderConfig, LanguageModel, OptimizerSpec, warmup_cosine
+from lightning_stale.demo.runner import (
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    DemoSettings,
+    optimizer_state_bytes,
+    recovered_share,
+    resolve_configs,
+    run_demo,
+)
+
+TINY = DecoderConfig(dim=32, n_layers=1, n_heads=2, hidden=64, context=16)
+
+
+def test_decoder_shapes_and_backward() -> None:
+    torch.manual_seed(0)
+    model = Decoder(TINY)
+    tokens = torch.randint(0, 256, (3, 16))
+    logits = model(tokens)
+    assert logits.shape == (3, 16, 256)
+    logits.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.raises(ValueError, match="exceeds the model context"):
+        model(torch.randint(0, 256, (1, 17)))
+
+
+def test_decoder_is_causal() -> None:
+    torch.manual_seed(0)
+    model = Decoder(TINY).eval()
+    tokens = torch.randint(0, 256, (2, 16))
+    changed = tokens.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 256
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    torch.testing.assert_close(before[:, :10], after[:, :10])
+    assert not torch.allclose(before[:, 10:], after[:, 10:])
+
+
+def test_rotary_positions_make_order_matter() -> None:
+    """Without positions a causal model could not tell 'ab' from 'ba' at the last position; with rotary it can."""
+    torch.manual_seed(0)
+    model = Decoder(TINY).eval()
+    with torch.no_grad():
+        ab = model(torch.tensor([[1, 2, 3, 4]]))[0, -1]
+        ba = model(torch.tensor([[2, 1, 3, 4]]))[0, -1]
+    assert not torch.allclose(ab, ba)
+
+
+def test_loss_decreases_on_a_tiny_batch() -> None:
+    torch.manual_seed(0)
+    module = LanguageModel(TINY, OptimizerSpec(lr=1e-2), total_steps=30)
+    optimizer = module.configure_optimizers()["optimizer"]
+    batch = (torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16)))
+    first = module._loss(batch).item()
+    for _ in range(30):
+        optimizer.zero_grad()
+        module._loss(batch).backward()
+        optimizer.step()
+    assert module._loss(batch).item() < first - 1.0
+
+
+def test_warmup_cosine_schedule() -> None:
+    values = [warmup_cosine(s, 100, 0.1, 0.1) for s in range(100)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert values[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(values[9:], values[10:]))
+
+
+def test_invalid_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="state_format"):
+        OptimizerSpec(kind="quantized", state_format="fp6")
+    with pytest.raises(ValueError, match="kind"):
+        OptimizerSpec(kind="sgd")
+    with pytest.raises(ValueError, match="n_heads"):
+        DecoderConfig(dim=30, n_heads=4)
+    with pytest.raises(ValueError, match="unknown configs"):
+        resolve_configs("fp32,fp7")
+
+
+def test_optimizer_state_bytes_counts_state_tensors() -> None:
+    model = torch.nn.Linear(64, 64, bias=False)
+    fp32 = OptimizerSpec().build(list(model.parameters()))
+    model(torch.randn(2, 64)).sum().backward()
+    fp32.step()
+    # exp_avg + exp_avg_sq in fp32, plus the 4-byte step counter
+    assert optimizer_state_bytes(fp32) == 2 * 4 * 64 * 64 + 4
+    big = torch.nn.Linear(256, 256, bias=False)
+    bnb = OptimizerSpec(kind="bnb_adamw8bit").build(list(big.parameters()))
+    big(torch.randn(2, 256)).sum().backward()
+    bnb.step()
+    n = 256 * 256
+    # two uint8 moments, two 256-entry fp32 quantization maps, one fp32 absmax per 256-block for each moment
+    assert optimizer_state_bytes(bnb) == 2 * n + 2 * 256 * 4 + 2 * (n // 256) * 4
+
+
+def test_corpus_errors_and_split(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_corpus(tmp_path / "missing.txt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty corpus"):
+        load_corpus(tmp_path / "empty")
+    with pytest.raises(ValueError, match="corpus too small"):
+        ByteCorpus(b"short text", context=16)
+    text = tmp_path / "text.txt"
+    text.write_text("hello world\n" * 200)
+    corpus = ByteCorpus(load_corpus(text), context=8)
+    first = [x for x, _ in corpus.train_loader(steps=3, batch_size=2, seed=5)]
+    again = [x for x, _ in corpus.train_loader(steps=3, batch_size=2, seed=5)]
+    assert len(first) == 3 and all(torch.equal(a, b) for a, b in zip(first, again))
+    x, y = next(iter(corpus.val_loader(batches=1, batch_size=2, seed=5)))
+    assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_default_corpus_is_the_stdlib_source() -> None:
+    files = stdlib_source_files()
+    assert files and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
+    corpus = load_corpus(max_bytes=10_000)
+    assert len(corpus) == 10_000 and corpus.startswith(files[0].read_bytes()[:100])
+
+
+def test_recovered_share() -> None:
+    assert recovered_share(1.52, baseline_loss=1.60, reference_loss=1.50) == pytest.approx(0.8)
+    assert math.isnan(recovered_share(1.50, baseline_loss=1.501, reference_loss=1.50))  # gap below the noise floor
+
+
+def test_command_help_lists_configs() -> None:
+    assert demo_command.DEFAULT_CONFIGS == ",".join(DEFAULT_CONFIGS)
+    for storage in demo_command.STORAGES.split(", "):
+        assert storage in CONFIGS and f"{storage}+reset" in CONFIGS
+
+
+def test_demo_smoke_run(tmp_path: Path) -> None:
+    """Two configurations, a few steps on a tiny model: the table, the logs and the figure are written."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 400)
+    out = tmp_path / "out"
+    settings = DemoSettings(steps=12, model=TINY, batch_size=4, val_batches=2, log_every=1, evaluations=2,
+                            data=str(text), progress_bar=False)
+    results = run_demo(settings, resolve_configs("fp32,bnb8bit+reset"), out)
+    assert [r.name for r in results] == ["fp32", "bnb8bit+reset"]
+    assert all(torch.isfinite(torch.tensor(r.val_loss)) for r in results)
+    assert (out / "demo.png").stat().st_size > 10_000
+    saved = json.loads((out / "results.json").read_text())["results"]
+    assert [r["val_loss"] for r in saved] == [r.val_loss for r in results]
+    table = (out / "results.txt").read_text()
+    assert table.startswith("config") and "bnb8bit+reset" in table
+    for r in results:
+        with (Path(r.log_dir) / "metrics.csv").open() as handle:
+            columns = next(csv.reader(handle))
+        assert {"train/loss", "val/loss", "stale/v/frac", "stale/v/drift"} <= set(columns)
+        assert r.curves["val/loss"][-1][0] == 12
+    bytes_per_param = {r.name: r.state_bytes_per_param for r in results}
+    assert bytes_per_param["fp32"] == pytest.approx(8.0, abs=0.1) and bytes_per_param["bnb8bit+reset"] < 3.0
+
+
+def test_demo_command_prints_table_and_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_stale import cli
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("import os\nprint(os.getcwd())\n" * 400)
+    out = tmp_path / "out"
+    assert cli.main(["demo", "--steps", "3", "--configs", "fp32", "--out", str(out), "--data", str(text)]) == 0
+    printed = capsys.readouterr().out
+    assert "val loss" in printed and str(out / "demo.png") in printed and (out / "demo.png").exists()
+
+
+def test_demo_reports_a_missing_data_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_stale import cli
+
+    assert cli.main(["demo", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().out
