@@ -24,9 +24,18 @@ from lightning_stale.adapters.base import BlockFp8Slot, BlockQmapSlot, FloatSlot
 
 
 def stored_zero_mask(slot: Slot) -> Tensor:
-    """Flat bool mask of the elements whose stored value is exactly zero."""
-    index = torch.arange(slot.numel, device=slot.codes().device)
-    return slot.zero_code_mask_at(index)
+    """Flat bool mask of the elements whose stored value is exactly zero.
+
+    Plain float and 8-bit map layouts compare their codes directly (several times cheaper than dequantizing the
+    whole state every step); other slots compare their dequantized values.
+    """
+    if isinstance(slot, FloatSlot):
+        return (slot.tensor == 0).reshape(-1)
+    if isinstance(slot, BlockQmapSlot) and not isinstance(slot, Packed4bitSlot):
+        zero_code = slot.codes().reshape(-1) == _map_zero_code(slot)
+        zero_scale = (slot.scale.reshape(-1) == 0).repeat_interleave(slot.block_size)[: zero_code.numel()]
+        return zero_code | zero_scale
+    return slot.value() == 0
 
 
 def zero_elements(slot: Slot, mask: Tensor) -> None:
@@ -41,7 +50,7 @@ def zero_elements(slot: Slot, mask: Tensor) -> None:
     elif isinstance(slot, FloatSlot):
         slot.tensor.masked_fill_(mask.view(slot.tensor.shape), 0)
     elif isinstance(slot, Packed4bitSlot):
-        codes = slot.codes().masked_fill(mask, _map_zero_code(slot))  # two codes per byte, high nibble first
+        codes = slot.codes().masked_fill(mask, _map_zero_code(slot))  # unpacked; repacked high nibble first
         slot.stored.view(-1).copy_((codes[0::2] << 4) | codes[1::2])
     elif isinstance(slot, BlockQmapSlot):
         slot.stored.masked_fill_(mask.view(slot.stored.shape), _map_zero_code(slot))
@@ -54,12 +63,10 @@ def zero_elements(slot: Slot, mask: Tensor) -> None:
         )
 
 
-def _map_zero_code(slot: BlockQmapSlot) -> int:
-    """The index of the exact zero in a slot's value map."""
-    zeros = torch.nonzero(slot.qmap.reshape(-1) == 0).reshape(-1)
-    if zeros.numel() == 0:
-        raise ValueError(f"slot {slot.key!r}: its value map has no zero, so no element can be zeroed")
-    return int(zeros[0])
+def _map_zero_code(slot: BlockQmapSlot) -> Tensor:
+    """The code of the map entry nearest zero (an exact zero in every map bitsandbytes, torchao and
+    ``lightning_stale.formats`` use for a first moment), as a 0-d tensor on the map's device: no host sync."""
+    return torch.argmin(slot.qmap.reshape(-1).abs()).to(torch.uint8)
 
 
 def guard_underflow(slots: Iterable[Slot]) -> Tensor:
