@@ -3,8 +3,9 @@
 Run by ``tests/test_distributed.py`` in a subprocess: ``python tests/ddp_worker.py OUT_DIR RESET STEPS`` with RESET in
 {adaptive, theory}; Lightning's DDP launcher re-runs this script for rank 1. The model has two layers trained in
 manual optimization by two optimizers: bitsandbytes AdamW8bit and QuantizedAdamW (fp8, stochastic rounding), so one
-launch covers both. Each rank samples its stall measurement with its own seed, so the adaptive decision inputs
-differ per rank and only the callback's cross-rank reduction keeps the resets in step.
+launch covers both. Each rank samples its stall measurement with its own seed and, for the adaptive policy, uses its
+own staleness tolerance s0, so the ranks' local decisions differ and only the callback's cross-rank reduction keeps
+the resets in step (tested: without the reduction rank 1 does not reset when rank 0 does).
 
 Per rank, ``rank<R>.json`` holds: the global steps of every reset with a hash of each optimizer-state tensor right
 after it, the same hashes (and parameter hashes) at the end, the reset periods chosen, and the rank's local
@@ -26,15 +27,17 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stale import StaleStateCallback
+from lightning_stale.policies import AdaptiveReset
 from lightning_stale.tracker import StallTotals
 
 
 class TwoOptimizers(L.LightningModule):
     """``first`` (8192 + 256 elements) on bitsandbytes AdamW8bit, ``second`` (1024 + 4) on QuantizedAdamW."""
 
-    def __init__(self) -> None:
+    def __init__(self, beta2: float = 0.8) -> None:
         super().__init__()
         self.automatic_optimization = False
+        self.beta2 = beta2
         self.first = nn.Linear(32, 256)
         self.second = nn.Linear(256, 4)
 
@@ -58,10 +61,10 @@ class TwoOptimizers(L.LightningModule):
 
         from lightning_stale.optim import QuantizedAdamW
 
-        # b2 = 0.8 keeps the EMA's statistical error small enough that adaptive resets happen within a few dozen steps
+        betas = (0.9, self.beta2)
         return (
-            bnb.optim.AdamW8bit(self.first.parameters(), lr=1e-3, betas=(0.9, 0.8)),
-            QuantizedAdamW(self.second.parameters(), lr=1e-3, betas=(0.9, 0.8), state_format="fp8_e4m3",
+            bnb.optim.AdamW8bit(self.first.parameters(), lr=1e-3, betas=betas),
+            QuantizedAdamW(self.second.parameters(), lr=1e-3, betas=betas, state_format="fp8_e4m3",
                            rounding="stochastic", min_quantized_size=256),
         )
 
@@ -97,7 +100,16 @@ class RecordingTotals(StallTotals):
 
 def main(out: Path, reset: str, steps: int) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning's launcher for rank 1; rank 0 is this process
-    callback = StaleStateCallback(reset=reset, s0=0.02, min_interval=3, sample_size=512, seed=rank)
+    if reset == "adaptive":
+        # Per-rank staleness tolerance on top of per-rank samples: left alone, rank 1 would hardly ever reset.
+        # b2 = 0.8 keeps the EMA's statistical error small, so resets come within a few dozen steps.
+        policy = AdaptiveReset(s0=0.02 if rank == 0 else 0.5, min_interval=3)
+        callback = StaleStateCallback(reset=policy, sample_size=512, seed=rank)
+        model = TwoOptimizers(beta2=0.8)
+    else:
+        # Theory resets need rho-hat >= 1: b2 = 0.985 gives K* of 70-90 steps for fp8 and the 8-bit map.
+        callback = StaleStateCallback(reset=reset, sample_size=512, seed=rank)
+        model = TwoOptimizers(beta2=0.985)
     callback._totals = RecordingTotals(callback._totals.totals.numel())
     resets: list[dict] = []
 
@@ -106,7 +118,6 @@ def main(out: Path, reset: str, steps: int) -> None:
         resets.append({"step": callback._trainer.global_step, "optimizer": index, "state": state_hashes(optimizer)})
 
     callback.add_reset_listener(on_reset)
-    model = TwoOptimizers()
     trainer = L.Trainer(
         strategy="ddp", devices=2, accelerator="cpu", max_steps=steps, default_root_dir=out,
         logger=CSVLogger(out, name="csv", version=0), log_every_n_steps=1, callbacks=[callback],

@@ -23,13 +23,14 @@ from lightning_stale.tracker import COUNTED, STALLED
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 PER_MOMENT = 9  # the callback's per-moment block in the reduced totals vector (five tracker sums, four weighted)
-STEPS = 60  # optimizer steps per rank (global_step): two optimizers step once per batch, so 30 batches
+# Optimizer steps per rank (global_step); two optimizers step once per batch, so half as many batches.
+STEPS = {"adaptive": 60, "theory": 180}
 
 
 def run_worker(tmp_path: Path, reset: str) -> tuple[dict, dict, list[dict[str, str]]]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path), reset, str(STEPS)], env=env,
+    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path), reset, str(STEPS[reset])], env=env,
                           capture_output=True, text=True, timeout=300)
     ranks = [tmp_path / f"rank{r}.json" for r in (0, 1)]
     written = all(p.exists() for p in ranks)
@@ -71,7 +72,7 @@ def test_ddp_ranks_reset_together_and_stay_bit_identical(tmp_path, reset):
 
     # The ranks measured different samples (own seeds), so the reduction had real work to do ...
     local0, local1 = rank0["local_totals"], rank1["local_totals"]
-    assert len(local0) == len(local1) == STEPS // 2  # logged once per batch; each batch steps both optimizers
+    assert len(local0) == len(local1) == STEPS[reset] // 2  # logged once per batch
     assert any(local_fraction(a, "v") != local_fraction(b, "v") for a, b in zip(local0, local1))
     # ... and every logged fraction is sum(stalled) / sum(counted) over both ranks, never a per-rank fraction.
     # Log i happens at the end of batch i, the CSV row of logger step i (the first batch has nothing to compare).
@@ -123,3 +124,16 @@ def test_theory_periods_do_not_depend_on_the_sample_seed(tmp_path):
         periods.append(callback.reset_periods())
     assert periods[0]["first.weight"] is not None
     assert all(p == periods[0] for p in periods), periods
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["model_parallel", "fsdp"])
+def test_sharded_strategies_are_refused_at_setup_with_a_clear_message(strategy):
+    """Sharded optimizer states (FSDP2 via ModelParallelStrategy, FSDP) are not supported yet: the callback must
+    stop the fit in ``setup`` (before any step) with a message saying what to do, not log wrong numbers."""
+    proc = subprocess.run([sys.executable, str(WORKER.with_name("sharded_worker.py")), strategy],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    assert refused, f"the fit was not refused:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "does not support" in refused[0] and "Use DDP" in refused[0]
