@@ -155,6 +155,7 @@ class StallTracker:
         Returns the records measured on this step.
         """
         measured = []
+        grad_masks: dict[int, Tensor] = {}
         fresh = self.refresh(fresh_state=True)
         for record in fresh:
             record.prev = None  # created by this step: nothing to compare against yet
@@ -177,7 +178,9 @@ class StallTracker:
                 stats[STALLED], stats[COUNTED] = counts[0], counts[1]
             elif record.exact:
                 full = slot.param.grad.reshape(-1) if slot.param.grad.numel() == slot.numel else None
-                mask = (torch.isfinite(full) & (full != 0)) if full is not None else True
+                if full is not None and id(slot.param) not in grad_masks:  # one pass per parameter, not per moment
+                    grad_masks[id(slot.param)] = torch.isfinite(full) & (full != 0)
+                mask = grad_masks[id(slot.param)] if full is not None else True
                 unchanged = slot.codes().reshape(-1) == record.prev
                 stats[STALLED] = (unchanged & mask).sum()
                 stats[COUNTED] = mask.sum() if full is not None else unchanged.numel()
