@@ -1,7 +1,7 @@
 """CPU step time of AdamW variants on a ~10M-parameter MLP, as ratios to bitsandbytes AdamW8bit.
 
-Fixed random gradients, ``opt.step()`` only, median over ``--steps`` steps after ``--warmup`` warm-up steps. The first
-step (lazy state creation; torch.compile for torchao) is reported separately. Run:
+Fixed random gradients, ``opt.step()`` only, median over ``--steps`` interleaved steps after ``--warmup`` warm-up
+steps. The first step (lazy state creation; torch.compile for torchao) is reported separately. Run:
 
     .venv/bin/python benchmarks/optimizer_step.py --steps 20 --threads 2
 """
@@ -85,26 +85,39 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def time_optimizer(factory: Callable, steps: int, warmup: int, seed: int = 0) -> tuple[float, float, float]:
-    """(first step seconds, median ms per later step, state bytes per parameter)."""
-    torch.manual_seed(seed)
-    model = make_model()
-    params = list(model.parameters())
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    optimizer = factory(params)
-    start = time.perf_counter()
-    optimizer.step()
-    first = time.perf_counter() - start
-    for _ in range(warmup):
-        optimizer.step()
-    times = []
-    for _ in range(steps):
+def benchmark(
+    factories: dict[str, Callable], steps: int, warmup: int, seed: int = 0
+) -> list[tuple[str, float, float, float]]:
+    """Per optimizer: (name, first step seconds, median ms per later step, state bytes per parameter).
+
+    Timed steps are interleaved round-robin across all optimizers (rotating the order each round), so load from other
+    processes on a shared machine slows every optimizer alike instead of whichever happens to run at that moment.
+    """
+    runs = []
+    for name, factory in factories.items():
+        torch.manual_seed(seed)
+        params = list(make_model().parameters())
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        optimizer = factory(params)
         start = time.perf_counter()
         optimizer.step()
-        times.append(time.perf_counter() - start)
-    numel = sum(p.numel() for p in params)
-    return first, statistics.median(times) * 1e3, state_bytes(optimizer) / numel
+        first = time.perf_counter() - start
+        for _ in range(warmup):
+            optimizer.step()
+        runs.append((name, optimizer, first, sum(p.numel() for p in params)))
+        print(f"  set up {name} (first step {first:.2f} s)", flush=True)
+    times: dict[str, list[float]] = {name: [] for name, *_ in runs}
+    for round_index in range(steps):
+        shift = round_index % len(runs)
+        for name, optimizer, _, _ in runs[shift:] + runs[:shift]:
+            start = time.perf_counter()
+            optimizer.step()
+            times[name].append(time.perf_counter() - start)
+    return [
+        (name, first, statistics.median(times[name]) * 1e3, state_bytes(optimizer) / numel)
+        for name, optimizer, first, numel in runs
+    ]
 
 
 def main() -> None:
@@ -112,21 +125,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--only", default="", help="run only optimizers whose name contains this text")
+    parser.add_argument("--only", default="", help="run only optimizers whose name contains this text (and the baseline)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    rows = []
-    for name, factory in optimizer_factories().items():
-        if args.only and args.only not in name and name != BASELINE:
-            continue
-        first, median_ms, bpp = time_optimizer(factory, args.steps, args.warmup)
-        rows.append((name, first, median_ms, bpp))
-        print(f"  {name}: {median_ms:.1f} ms", flush=True)
-
+    factories = {
+        name: factory
+        for name, factory in optimizer_factories().items()
+        if not args.only or args.only in name or name == BASELINE
+    }
+    rows = benchmark(factories, args.steps, args.warmup)
     baseline = next((ms for name, _, ms, _ in rows if name == BASELINE), None)
     numel = sum(p.numel() for p in make_model().parameters())
-    print(f"\n{numel / 1e6:.2f}M parameters, {args.threads} threads, median of {args.steps} steps after "
+    print(f"\n{numel / 1e6:.2f}M parameters, {args.threads} threads, median of {args.steps} interleaved steps after "
           f"{args.warmup} warm-up steps, torch {torch.__version__}\n")
     print("| Optimizer | Median ms/step | Ratio to bnb AdamW8bit | First step s | State bytes/param |")
     print("|---|---|---|---|---|")

@@ -106,12 +106,13 @@ def test_count_stalls_off_records_nothing() -> None:
 
 
 def test_bf16_nearest_second_moment_stalls_as_the_paper_predicts() -> None:
-    """bf16, nearest, beta2 = 0.999, Gaussian gradients: most v codes stop moving (paper: about 0.946 per step)."""
+    """bf16, nearest, beta2 = 0.999, Gaussian gradients: most v codes stop moving (paper: about 0.946 per step;
+    measured here about 0.91 after 1,500 steps, rising to about 0.97 as the stored v ratchets up)."""
     param = torch.nn.Parameter(torch.zeros(8192))
     opt = QuantizedAdamW([param], lr=0.0, weight_decay=0.0, state_format="bf16")
     g = torch.Generator().manual_seed(0)
     fractions = []
-    for _ in range(1500):
+    for _ in range(2000):
         param.grad = torch.randn(8192, generator=g)
         opt.step()
         stalled, counted = opt.last_stall_counts()[id(param)]["v"]

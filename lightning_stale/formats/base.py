@@ -146,6 +146,18 @@ def nearest_thresholds(grid: Tensor) -> Tensor:
     return t
 
 
+def gather(table: Tensor, index: Tensor) -> Tensor:
+    """``table[index]`` for a small 1-D table and an int32/int64 index of any shape (index_select: much faster on CPU
+    than advanced indexing)."""
+    return torch.index_select(table, 0, index.reshape(-1)).view(index.shape)
+
+
+def high_half(x: Tensor) -> Tensor:
+    """The top 16 bits of each fp32 pattern of the contiguous ``x`` as int32 in [0, 65535] (a bf16-sized bucket).
+    Assumes a little-endian host (the high half is the second uint16), as on x86 and ARM."""
+    return x.view(torch.uint16).view(-1, 2)[:, 1].to(torch.int32).view(x.shape)
+
+
 class GridRounder:
     """Rounds fp32 values to a sorted grid with two small lookup tables instead of a binary search.
 
@@ -173,19 +185,19 @@ class GridRounder:
         base = torch.bucketize(low, boundaries, right=True)
         inside = torch.bucketize(high, boundaries, right=True) - base
         finite = torch.isfinite(low) & torch.isfinite(high)
-        if (inside[finite] > 1).any():
-            raise ValueError("grid too fine for 16-bit bucket tables")
+        if (inside[finite] > 1).any() or boundaries.numel() > 255:
+            raise ValueError("grid too fine for 16-bit bucket tables, or more than 256 codes")
         nxt = boundaries[base.clamp(max=boundaries.numel() - 1)]
         step = torch.where(inside >= 1, nxt, torch.full_like(nxt, float("inf")))
-        return base.to(torch.int32), step
+        return base.to(torch.uint8), step
 
     @staticmethod
     def _lookup(x: Tensor, base: Tensor, step: Tensor) -> Tensor:
-        bucket = (x.view(torch.int32) >> 16) & 0xFFFF
-        return base[bucket] + (x >= step[bucket])
+        bucket = high_half(x)
+        return gather(base, bucket).add_(x >= gather(step, bucket))
 
     def __call__(self, x: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
-        """Grid index (int32) of each element of the contiguous fp32 ``x``. Nearest: torchao's rule. Stochastic: the
+        """Grid index (uint8) of each element of the contiguous fp32 ``x``. Nearest: torchao's rule. Stochastic: the
         upper neighbour with probability (x - lo) / (hi - lo), unbiased for x inside [grid[0], grid[-1]] (values
         outside are clamped to the ends)."""
         x = x.contiguous()
@@ -193,7 +205,9 @@ class GridRounder:
             return self._lookup(x, self.nearest_base, self.nearest_step)
         x = x.clamp(self.grid[0].item(), self.grid[-1].item())
         lo = self._lookup(x, self.floor_base, self.floor_step)
-        return lo + ((x - self.grid[lo]) > uniform(x, generator).mul_(self.gaps[lo]))
+        lo_index = lo.int()
+        frac = x - gather(self.grid, lo_index)
+        return lo.add_(frac > uniform(x, generator).mul_(gather(self.gaps, lo_index)))
 
 
 def grid_spacing_table(values: Tensor) -> Tensor:

@@ -11,10 +11,12 @@ from lightning_stale.formats.base import QuantizedState, StateFormat, check_roun
 def float_ulp(a: Tensor, mantissa_bits: int, min_exponent: int) -> Tensor:
     """Spacing of a binary float grid at magnitudes ``a`` (fp32, >= 0): 2^(max(e, emin) - p) where a = m * 2^e, m in
     [1, 2). This is the distance to the next larger magnitude (and, below the top binade boundary, to the next
-    smaller one); at 0 it is the smallest subnormal."""
-    _, e = torch.frexp(a)
-    e = (e - 1).clamp_(min=min_exponent).masked_fill_(a == 0, min_exponent) - mantissa_bits  # frexp(0) has e = 0
-    return torch.ldexp(torch.ones_like(a), e)
+    smaller one); at 0 it is the smallest subnormal. Built from the exponent bits (integer ops vectorize on CPU)."""
+    exponent = (a.view(torch.int32) >> 23).sub_(127).clamp_(min=min_exponent)  # fp32 zero/subnormal -> clamped
+    biased = exponent.sub_(mantissa_bits - 127)  # biased fp32 exponent of the spacing
+    normal = (biased.clamp(min=1) << 23).view(torch.float32)
+    subnormal = (torch.ones_like(biased) << (biased + 22).clamp_(min=0, max=22)).view(torch.float32)
+    return torch.where(biased >= 1, normal, subnormal)
 
 
 def stochastic_round_float(

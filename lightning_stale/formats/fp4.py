@@ -19,6 +19,7 @@ from lightning_stale.formats.base import (
     QuantizedState,
     StateFormat,
     as_blocks,
+    gather,
     check_rounding,
     grid_spacing_table,
     num_blocks,
@@ -73,10 +74,10 @@ class Fp4Format(StateFormat):
         normalized = blocks / scale.view(-1, 1)
         if self.signed:
             codes = rounder(normalized.abs(), rounding, generator)
-            codes = codes | ((normalized < 0) & (codes > 0)).int() << 3
+            codes = codes | ((normalized < 0) & (codes > 0)).to(torch.uint8) << 3
         else:
             codes = rounder(normalized, rounding, generator)
-        packed = pack(codes.to(torch.uint8).view(-1))
+        packed = pack(codes.view(-1))
         return QuantizedState(packed[: (x.numel() + 1) // 2].clone(), scale, x.shape)
 
     def element_codes(self, q: QuantizedState) -> Tensor:
@@ -85,7 +86,7 @@ class Fp4Format(StateFormat):
 
     def _per_code(self, q: QuantizedState, table: Tensor) -> Tensor:
         numel = q.shape.numel()
-        normalized = table[self.element_codes(q).int()]
+        normalized = gather(table, self.element_codes(q).int())
         return (as_blocks(normalized, BLOCK_SIZE) * q.scale.view(-1, 1)).view(-1)[:numel].view(q.shape)
 
     def dequantize(self, q: QuantizedState) -> Tensor:

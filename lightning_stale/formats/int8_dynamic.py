@@ -16,6 +16,7 @@ from lightning_stale.formats.base import (
     QuantizedState,
     StateFormat,
     as_blocks,
+    gather,
     check_rounding,
     grid_spacing_table,
     num_blocks,
@@ -74,12 +75,12 @@ class Int8DynamicFormat(StateFormat):
         blocks = as_blocks(x.reshape(-1), BLOCK_SIZE)
         scale = torch.linalg.vector_norm(blocks, float("inf"), dim=1).clamp_(min=1e-12)  # torchao's scale
         normalized = blocks / scale.view(-1, 1)
-        codes = _rounder(self.signed)(normalized, rounding, generator).to(torch.uint8)
+        codes = _rounder(self.signed)(normalized, rounding, generator)
         return QuantizedState(codes.view(-1)[: x.numel()].view(x.shape), scale, x.shape)
 
     def dequantize(self, q: QuantizedState) -> Tensor:
         qmap = _dynamic_map(self.signed)
-        values = as_blocks(qmap[q.codes.reshape(-1).int()], BLOCK_SIZE) * q.scale.view(-1, 1)
+        values = as_blocks(gather(qmap, q.codes.reshape(-1).int()), BLOCK_SIZE) * q.scale.view(-1, 1)
         return values.view(-1)[: q.codes.numel()].view(q.shape)
 
     def spacing(self, q: QuantizedState) -> Tensor:

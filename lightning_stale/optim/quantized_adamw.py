@@ -218,14 +218,15 @@ class QuantizedAdamW(torch.optim.Optimizer):
         # Write the moments back (from the unrounded values) and count the codes the write left unchanged.
         counts = {}
         counted_mask = counted = None
-        if self.count_stalls:
-            counted_mask = torch.isfinite(grad).logical_and_(grad != 0).reshape(-1)
-            counted = counted_mask.sum()
+        if self.count_stalls:  # counted: 0 < |g| < inf (NaN compares false); cheaper than isfinite & ne
+            magnitude = grad.abs().reshape(-1)
+            counted_mask = (magnitude > 0).logical_and_(magnitude < math.inf)
+            counted = torch.count_nonzero(counted_mask)
         for moment, value in (("m", m), ("v", v)):
             new = formats[moment].quantize(value, rounding, self._generator)
             if counted_mask is not None:
                 unchanged = formats[moment].element_codes(new) == formats[moment].element_codes(stored[moment])
-                counts[moment] = (unchanged.logical_and_(counted_mask).sum(), counted)
+                counts[moment] = (torch.count_nonzero(unchanged.logical_and_(counted_mask)), counted)
             stored[moment].codes.copy_(new.codes)
             if new.scale is not None:
                 stored[moment].scale.copy_(new.scale)
