@@ -109,12 +109,34 @@ def summarize(runs: list[dict], columns: list[str], rows: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _train_all(args: argparse.Namespace, base: DemoSettings, out: Path) -> list[dict]:
+    """Run every (configuration, seed), the fp32/fp8/fp4 columns first; save runs.json after each finished run."""
+    by_column = [c for c in ("fp32", "fp8", "fp4", "bf16", "int8") if c in args.columns]
+    names = [n for c in by_column for r in args.rows if (n := cell_config(r, c)) is not None]
+    if args.control and "fp32" in args.columns:
+        names.insert(1, "fp32+reset")
+    jobs = [(name, replace(base, seed=seed)) for name in dict.fromkeys(names) for seed in args.seeds]
+    print(f"{len(jobs)} runs ({len(jobs) // len(args.seeds)} configs x {len(args.seeds)} seeds), {args.steps} steps "
+          f"each, {args.workers} workers", flush=True)
+    start, runs = time.perf_counter(), []
+    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=_worker_init) as pool:
+        futures = [pool.submit(_train, name, settings, str(out / "logs")) for name, settings in jobs]
+        for future in as_completed(futures):
+            runs.append(future.result())
+            run = runs[-1]
+            print(f"  {run['name']:>16} seed {run['seed']}: val loss {run['val_loss']:.4f} ({run['seconds']:.0f} s; "
+                  f"{len(runs)}/{len(jobs)} after {(time.perf_counter() - start) / 60:.1f} min)", flush=True)
+            (out / "runs.json").write_text(json.dumps({"settings": asdict(base), "runs": runs}, indent=1,
+                                                      default=str))
+    return runs
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: 0,1,2)")
     parser.add_argument("--beta2", type=float, default=0.999)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
@@ -128,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="parallel single-thread runs (default: 2)")
     parser.add_argument("--data", default=None, help="text file or folder (default: the stdlib source)")
     parser.add_argument("--out", default="out/recovery", help="folder for logs and results")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="train nothing; rebuild the tables from the runs already saved in OUT/runs.json")
     args = parser.parse_args(argv)
     for name, allowed in (("columns", COLUMNS), ("rows", ROWS)):
         chosen = [x for x in getattr(args, name).split(",") if x]
@@ -146,35 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     base = DemoSettings(steps=args.steps, batch_size=args.batch_size, model=model, lr=args.lr, beta2=args.beta2,
                        data=args.data, progress_bar=False, log_every=max(10, args.steps // 100))
     prepare_corpus(base)  # fail fast on a bad --data
-    names = [n for r in args.rows for c in args.columns if (n := cell_config(r, c)) is not None]
-    if args.control and "fp32" in args.columns:
-        names.append("fp32+reset")
-    names = list(dict.fromkeys(names))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [(name, replace(base, seed=seed)) for seed in args.seeds for name in names]
-    print(f"{len(jobs)} runs ({len(names)} configs x {len(args.seeds)} seeds), {args.steps} steps each, "
-          f"{args.workers} workers", flush=True)
-    start, runs = time.perf_counter(), []
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=_worker_init) as pool:
-        futures = [pool.submit(_train, name, settings, str(out / "logs")) for name, settings in jobs]
-        for future in as_completed(futures):
-            run = future.result()
-            runs.append(run)
-            print(f"  {run['name']:>16} seed {run['seed']}: val loss {run['val_loss']:.4f} "
-                  f"({run['seconds']:.0f} s, {len(runs)}/{len(jobs)})", flush=True)
-    minutes = (time.perf_counter() - start) / 60
+    saved = out / "runs.json"
+    runs = json.loads(saved.read_text())["runs"] if args.summarize_only else _train_all(args, base, out)
     table = summarize(runs, args.columns, args.rows)
     command = "python benchmarks/recovery.py " + " ".join(sys.argv[1:] if argv is None else argv)
     header = (f"{args.steps} steps, beta2 {args.beta2}, lr {args.lr} (warm-up 10%, cosine to 10%), model dim "
               f"{args.dim} x {args.layers} layers, batch {args.batch_size} x {args.context} bytes, seeds "
-              f"{args.seeds}; {minutes:.1f} min on {os.cpu_count()} cores.\n`{command.strip()}`\n")
+              f"{args.seeds}; {len(runs)} runs on {os.cpu_count()} cores.\n`{command.strip()}`\n")
     (out / "recovery.md").write_text(header + "\n" + table + "\n")
-    (out / "runs.json").write_text(json.dumps({"settings": asdict(base), "args": vars(args), "runs": runs},
-                                              indent=1, default=str))
     print(header)
     print(table)
-    print(f"\nwritten: {out / 'recovery.md'}, {out / 'runs.json'}")
+    print(f"\nwritten: {out / 'recovery.md'}, {saved}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -139,8 +140,12 @@ def test_recovered_share() -> None:
 
 def test_command_help_lists_configs() -> None:
     assert demo_command.DEFAULT_CONFIGS == ",".join(DEFAULT_CONFIGS)
-    for storage in demo_command.STORAGES.split(", "):
-        assert storage in CONFIGS and f"{storage}+reset" in CONFIGS
+    assert sorted(demo_command.AVAILABLE_CONFIGS.split(", ")) == sorted(CONFIGS)
+    assert CONFIGS["fp8-sr+reset"].reset == "theory" and CONFIGS["fp8-sr+reset"].baseline == "fp8"
+    parser = argparse.ArgumentParser()
+    demo_command.add_arguments(parser)
+    defaults, settings = parser.parse_args([]), DemoSettings()
+    assert (defaults.steps, defaults.seed, defaults.threads) == (settings.steps, settings.seed, settings.threads)
 
 
 def test_demo_smoke_run(tmp_path: Path) -> None:

@@ -8,17 +8,20 @@ HELP = "Train a small LM with fp32, 8-bit, fp8 and fp4 optimizer states (with an
 
 # Kept in sync with lightning_stale.demo.runner (checked by the tests) so that --help needs no torch import.
 DEFAULT_CONFIGS = "fp32,bnb8bit,fp8,fp8+reset,fp4,fp4+reset,fp8-sr+reset,fp4-sr+reset"
-STORAGES = "fp32, bnb8bit, bf16, fp8, fp4, int8"
+AVAILABLE_CONFIGS = (
+    "fp32, fp32+reset, bnb8bit, bnb8bit+reset, "
+    + ", ".join(f"{s}, {s}+reset, {s}-sr, {s}-sr+reset" for s in ("bf16", "fp8", "fp4", "int8"))
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=600, help="training steps per configuration (default: 600)")
+    parser.add_argument("--steps", type=int, default=400, help="training steps per configuration (default: 400)")
     parser.add_argument(
         "--configs",
         default=DEFAULT_CONFIGS,
-        help=f"comma-separated configurations (default: {DEFAULT_CONFIGS}). A name is <storage>[-sr][+reset] with "
-        f"storage one of {STORAGES}; -sr (stochastic rounding) exists for bf16, fp8, fp4, int8; +reset adds "
-        "StaleStateCallback(reset='theory')",
+        help=f"comma-separated configurations (default: {DEFAULT_CONFIGS}). Available: {AVAILABLE_CONFIGS}. "
+        "fp32 is torch AdamW, bnb8bit bitsandbytes AdamW8bit, the others QuantizedAdamW with that state format; "
+        "-sr: stochastic rounding; +reset: StaleStateCallback(reset='theory') (fp32+reset: periodic, every 300)",
     )
     parser.add_argument("--out", default="stale-demo", help="output folder for logs, table and figure (default: ./stale-demo)")
     parser.add_argument("--seed", type=int, default=0, help="seed for model initialization and data order (default: 0)")
