@@ -5,13 +5,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_stale.formats.base import QuantizedState, StateFormat, check_rounding
+from lightning_stale.formats.base import QuantizedState, StateFormat, check_rounding, gather
 from lightning_stale.formats.floats import float_ulp, stochastic_round_float
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 FP8_MANTISSA_BITS = 3
 FP8_MIN_EXPONENT = -6
+# Every code's fp32 value: a table gather is several times faster than torch's float8 -> fp32 cast on CPU.
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(torch.float32)
+
+
+def fp8_to_float(codes: Tensor) -> Tensor:
+    """fp32 values of float8_e4m3fn ``codes`` (same shape)."""
+    return gather(FP8_VALUES, codes.view(torch.uint8).int())
 
 
 class Fp8E4M3Format(StateFormat):
@@ -33,10 +40,10 @@ class Fp8E4M3Format(StateFormat):
         return QuantizedState(scaled.to(FP8_DTYPE), scale, x.shape)
 
     def dequantize(self, q: QuantizedState) -> Tensor:
-        return (q.codes.to(torch.float32) * q.scale).reshape(q.shape)
+        return (fp8_to_float(q.codes) * q.scale).reshape(q.shape)
 
     def spacing(self, q: QuantizedState) -> Tensor:
-        stored = q.codes.to(torch.float32).abs()
+        stored = fp8_to_float(q.codes).abs()
         return (float_ulp(stored, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT) * q.scale).reshape(q.shape)
 
     def empty(self, shape: torch.Size | tuple[int, ...]) -> QuantizedState:
