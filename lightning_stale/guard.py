@@ -32,9 +32,11 @@ def stored_zero_mask(slot: Slot) -> Tensor:
     if isinstance(slot, FloatSlot):
         return (slot.tensor == 0).reshape(-1)
     if isinstance(slot, BlockQmapSlot) and not isinstance(slot, Packed4bitSlot):
-        zero_code = slot.codes().reshape(-1) == _map_zero_code(slot)
-        zero_scale = (slot.scale.reshape(-1) == 0).repeat_interleave(slot.block_size)[: zero_code.numel()]
-        return zero_code | zero_scale
+        codes, scale = slot.codes().reshape(-1), slot.scale.reshape(-1)
+        if codes.numel() == scale.numel() * slot.block_size:  # whole blocks: broadcast the scale, no expansion
+            blocks = codes.view(-1, slot.block_size)
+            return ((blocks == _map_zero_code(slot)) | (scale == 0).unsqueeze(1)).view(-1)
+        return (codes == _map_zero_code(slot)) | (scale == 0).repeat_interleave(slot.block_size)[: codes.numel()]
     return slot.value() == 0
 
 
