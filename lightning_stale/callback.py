@@ -401,7 +401,8 @@ class StaleStateCallback(Callback):
         return {
             "steps": t.steps,
             "rho": dict(t.rho),
-            "records": {k: {"shadow": r.shadow, "totals": r.totals} for k, r in t.tracker.records.items()},
+            "records": {k: {"shadow": r.shadow, "totals": r.totals, "predicted": (r.predicted_sum, r.predicted_n)}
+                        for k, r in t.tracker.records.items()},
             "units": {
                 k: {"age": u.age, "measured": u.measured, "accumulator": u.accumulator, "period": u.period,
                     "resets": u.resets, "period_source": u.period_source, "last_reset_step": u.last_reset_step,

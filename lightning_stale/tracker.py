@@ -120,8 +120,10 @@ class StallTracker:
             saved = self.restored.pop(key, None)
             if old is not None:  # same slot rebuilt (state reloaded): keep its history
                 record.totals, record.shadow = old.totals, old.shadow
+                record.predicted_sum, record.predicted_n = old.predicted_sum, old.predicted_n
             elif saved is not None:
                 record.totals, record.shadow = saved["totals"].clone(), saved["shadow"]
+                record.predicted_sum, record.predicted_n = saved.get("predicted", (0.0, 0))
             elif slot.beta is not None and fresh_state:
                 record.shadow = torch.zeros(record.index.numel())
             else:
