@@ -85,6 +85,7 @@ class StallTracker:
         self.restored: dict[str, dict] = {}  # shadow and totals from a checkpoint, adopted when the slot appears
         self._param_index: dict[int, int] = {}
         self._n_state = -1
+        self._state: object = None  # the optimizer's state mapping last scanned (load_state_dict replaces it)
 
     # -- binding -------------------------------------------------------------------------------------------------
     def unit_key(self, slot: Slot) -> str:
@@ -101,10 +102,10 @@ class StallTracker:
         ``fresh_state`` says the new state was created by the step that just ran, so the shadow EMA starts from zero
         (then takes this step's gradient); otherwise it starts from the stored value.
         """
-        n_state = len(self.adapter.optimizer.state)
-        if n_state == self._n_state:
+        state = self.adapter.optimizer.state
+        if len(state) == self._n_state and state is self._state:
             return []
-        self._n_state = n_state
+        self._n_state, self._state = len(state), state
         self._param_index = {
             id(p): i for i, p in enumerate(p for g in self.adapter.optimizer.param_groups for p in g["params"])
         }
