@@ -4,6 +4,7 @@ callback either works or fails fast with a message that says what to do."""
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 
@@ -362,3 +363,39 @@ def test_unsupported_optimizer_fails_fast_with_advice_and_strict_false_falls_bac
 def test_more_invalid_arguments_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StaleStateCallback(**kwargs)
+
+
+class RollsBackOptimizerState(Net):
+    """Saves the optimizer state after step 2 and loads it back (a new set of state tensors) before step 5."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        opt = self.trainer.optimizers[0]
+        if self.trainer.global_step == 2:
+            buffer = io.BytesIO()
+            torch.save(opt.state_dict(), buffer)
+            self.saved = buffer.getvalue()
+        if self.trainer.global_step == 4:
+            opt.load_state_dict(torch.load(io.BytesIO(self.saved), weights_only=False))
+
+
+@pytest.mark.parametrize("kind", ["bnb", "qadamw:int8_dynamic"])
+def test_optimizer_state_loaded_mid_training_is_followed(tmp_path, kind):
+    model = RollsBackOptimizerState(kind)
+    cb = StaleStateCallback(track="exact", underflow_guard=True)
+    trainer = fit(tmp_path, model, cb, steps=7)
+    assert_fractions_valid(trainer)
+    opt = trainer.optimizers[0]
+    for record in records(cb).values():  # the tracker reads the tensors the optimizer holds now
+        state = opt.state[record.slot.param]
+        assert any(record.slot.codes().data_ptr() == t.data_ptr() for t in _tensors(state)), record.key
+    assert max(logged(trainer, "stale/v/frac")[-2:]) < 1.0  # a stale reference would read "never changes"
+
+
+def _tensors(state: dict) -> list[torch.Tensor]:
+    out = []
+    for value in state.values():
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+            if hasattr(value, "codes"):
+                out.append(value.codes)
+    return out
