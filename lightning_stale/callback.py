@@ -173,7 +173,8 @@ class StaleStateCallback(Callback):
         self._detach()
         self._trainer = trainer
         self._param_names = {id(p): n for n, p in pl_module.named_parameters()}
-        self._totals = self._totals.to("cpu")
+        # multi-process: collectives on the strategy's device, since NCCL (GPU DDP) reduces CUDA tensors only
+        self._totals = self._totals.to(trainer.strategy.root_device if trainer.world_size > 1 else "cpu")
         optimizers = [adapters.unwrap(opt) for opt in trainer.optimizers]
         if not optimizers:
             raise MisconfigurationException("StaleStateCallback needs at least one optimizer (none was configured)")
@@ -303,7 +304,9 @@ class StaleStateCallback(Callback):
         due = [self.policy.should_reset(u, step) for u in units]
         trainer = self._trainer
         if self.policy.needs_sync and trainer is not None and trainer.world_size > 1:
-            votes = trainer.strategy.reduce(torch.tensor(due, dtype=torch.float32), reduce_op="sum")
+            votes = trainer.strategy.reduce(
+                torch.tensor(due, dtype=torch.float32, device=trainer.strategy.root_device), reduce_op="sum"
+            )
             due = (votes > 0).tolist()
         chosen = [u for u, d in zip(units, due) if d]
         if chosen:
@@ -414,7 +417,7 @@ class StaleStateCallback(Callback):
     def _restore(self, state: dict[str, Any]) -> None:
         self.reset_events = int(state.get("reset_events", 0))
         self._totals.reset()
-        self._totals.totals += state["pending_totals"].to(torch.float64)
+        self._totals.totals += state["pending_totals"].to(self._totals.totals)
         saved = state.get("optimizers", [])
         if len(saved) != len(self._tracked):
             raise MisconfigurationException(
