@@ -14,15 +14,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bitsandbytes as bnb
+import lightning as L
 import pytest
 import torch
+from ddp_worker import TwoOptimizers
 
 from lightning_stale import StaleStateCallback
 from lightning_stale.adapters.base import MOMENTS
+from lightning_stale.callback import _PER_MOMENT  # layout of the reduced totals vector, per moment
 from lightning_stale.tracker import COUNTED, STALLED
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
-PER_MOMENT = 9  # the callback's per-moment block in the reduced totals vector (five tracker sums, four weighted)
 # Optimizer steps per rank (global_step); two optimizers step once per batch, so half as many batches.
 STEPS = {"adaptive": 60, "theory": 180}
 
@@ -45,8 +48,9 @@ def run_worker(tmp_path: Path, reset: str) -> tuple[dict, dict, list[dict[str, s
     return rank0, rank1, rows
 
 
-def local_fraction(totals: list[float], moment: str) -> tuple[float, float]:
-    base = PER_MOMENT * MOMENTS.index(moment)
+def local_counts(totals: list[float], moment: str) -> tuple[float, float]:
+    """(stalled, counted) of one moment in a rank's local totals vector."""
+    base = _PER_MOMENT * MOMENTS.index(moment)
     return totals[base + STALLED], totals[base + COUNTED]
 
 
@@ -73,14 +77,14 @@ def test_ddp_ranks_reset_together_and_stay_bit_identical(tmp_path, reset):
     # The ranks measured different samples (own seeds), so the reduction had real work to do ...
     local0, local1 = rank0["local_totals"], rank1["local_totals"]
     assert len(local0) == len(local1) == STEPS[reset] // 2  # logged once per batch
-    assert any(local_fraction(a, "v") != local_fraction(b, "v") for a, b in zip(local0, local1))
+    assert any(local_counts(a, "v") != local_counts(b, "v") for a, b in zip(local0, local1))
     # ... and every logged fraction is sum(stalled) / sum(counted) over both ranks, never a per-rank fraction.
     # Log i happens at the end of batch i, the CSV row of logger step i (the first batch has nothing to compare).
     by_step = {int(r["step"]): r for r in rows}
     checked = 0
     for moment in MOMENTS:
         for i, (a, b) in enumerate(zip(local0, local1)):
-            (s0, c0), (s1, c1) = local_fraction(a, moment), local_fraction(b, moment)
+            (s0, c0), (s1, c1) = local_counts(a, moment), local_counts(b, moment)
             value = by_step.get(i, {}).get(f"stale/{moment}/frac")
             if c0 + c1 == 0:
                 assert not value
@@ -95,12 +99,6 @@ def test_theory_periods_do_not_depend_on_the_sample_seed(tmp_path):
     """Ranks may sample with different seeds; the theory period (a grid estimate for 8-bit maps) must still agree,
     because theory resets are not reduced across ranks. Two single-process runs on identical data stand in for two
     ranks."""
-    import bitsandbytes as bnb
-    import lightning as L
-
-    sys.path.insert(0, str(WORKER.parent))
-    from ddp_worker import TwoOptimizers
-
     class OneOptimizer(TwoOptimizers):
         def __init__(self) -> None:
             super().__init__()
