@@ -100,6 +100,11 @@ class StateFormat(ABC):
     def bytes_per_element(self, numel: int) -> float:
         """Storage bytes per element of a tensor with ``numel`` elements, scales included."""
 
+    @abstractmethod
+    def element_codes(self, q: QuantizedState) -> Tensor:
+        """One integer code per element, flat (packed fp4 unpacked, floats as bit patterns): equal codes mean the
+        stored value did not move, which is how stalls are counted."""
+
     def zero_code(self) -> int | None:
         """The per-element code value that stores an exact zero whatever the scale, or None if the grid has no zero."""
         return 0
