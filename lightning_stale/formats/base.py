@@ -219,14 +219,11 @@ def grid_spacing_table(values: Tensor) -> Tensor:
     """Ulp-convention spacing of every code of a code->value table (1-D): distance from |value| to the next larger
     representable magnitude, or to the next smaller one at the top of the range; at zero, the smallest magnitude."""
     values = values.to(torch.float64)
-    mags = torch.unique(values.abs())  # sorted ascending
-    positive = mags[mags > 0]
-    table = torch.empty_like(values)
-    for code, value in enumerate(values.tolist()):
-        a = abs(value)
-        if a == 0:
-            table[code] = positive[0]
-            continue
-        larger = mags[mags > a]
-        table[code] = (larger[0] - a) if larger.numel() else (a - mags[mags < a][-1])
+    magnitude = values.abs()
+    mags = torch.unique(magnitude)  # sorted ascending
+    upper = torch.searchsorted(mags, magnitude, right=True)
+    top = upper == mags.numel()
+    larger = mags[upper.clamp(max=mags.numel() - 1)] - magnitude
+    smaller = magnitude - mags[(upper - 2).clamp(min=0)]
+    table = torch.where(top, smaller, larger)
     return table.to(torch.float32)
