@@ -125,7 +125,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per optimizer (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument("--only", default="", help="run only optimizers whose name contains this text (and the baseline)")
+    parser.add_argument(
+        "--only", default="", help="run only optimizers whose name contains this text (and the baseline)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -144,10 +146,13 @@ def main() -> None:
     for name, first, median_ms, bpp in rows:
         ratio = f"{median_ms / baseline:.2f}" if baseline else "n/a"
         print(f"| {name} | {median_ms:.1f} | {ratio} | {first:.2f} | {bpp:.3f} |")
-    print("\nFormat storage (both moments, scales included, for a 4M-element tensor): " + ", ".join(
-        f"{name} {get_format(name, True).bytes_per_element(1 << 22) + get_format(name, False).bytes_per_element(1 << 22):.3f}"
+    n = 1 << 22
+    storage = {
+        name: get_format(name, True).bytes_per_element(n) + get_format(name, False).bytes_per_element(n)
         for name in ("fp32", "bf16", "fp16", "fp8_e4m3", "fp4", "int8_dynamic")
-    ))
+    }
+    print("\nFormat storage (both moments, scales included, for a 4M-element tensor): "
+          + ", ".join(f"{name} {size:.3f}" for name, size in storage.items()))
 
 
 if __name__ == "__main__":

@@ -217,7 +217,8 @@ def test_spacing_is_the_distance_to_the_next_larger_magnitude(name: str, signed:
         value = fmt.dequantize(q).reshape(-1).double().abs()
         idx = torch.searchsorted(grid, value)
         top = idx == grid.numel() - 1
-        expected = torch.where(top, grid[idx] - grid[(idx - 1).clamp(min=0)], grid[(idx + 1).clamp(max=grid.numel() - 1)] - grid[idx])
+        below = grid[idx] - grid[(idx - 1).clamp(min=0)]
+        expected = torch.where(top, below, grid[(idx + 1).clamp(max=grid.numel() - 1)] - grid[idx])
     else:
         mags, value = representable(fmt, q)
         larger = torch.where(mags > value.view(-1, 1) * (1 + 1e-6), mags, torch.inf).amin(dim=1)

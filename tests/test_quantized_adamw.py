@@ -73,7 +73,9 @@ def test_state_layout_small_params_stay_fp32_and_views_are_live() -> None:
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_builtin_stall_counts_equal_clone_and_compare(state_format: str, rounding: str) -> None:
     model = small_model()
-    opt = QuantizedAdamW(model.parameters(), lr=1e-2, state_format=state_format, rounding=rounding, min_quantized_size=1000)
+    opt = QuantizedAdamW(
+        model.parameters(), lr=1e-2, state_format=state_format, rounding=rounding, min_quantized_size=1000
+    )
     train(model, opt, steps=3)
     g = torch.Generator().manual_seed(5)
     for step in range(3):
@@ -155,7 +157,9 @@ def test_full_reset_equals_a_fresh_optimizer(state_format: str) -> None:
 @pytest.mark.parametrize("state_format", [{"m": "fp4", "v": "bf16"}, "int8_dynamic", "fp8_e4m3", "fp16"])
 def test_state_dict_round_trip_continues_bit_identically(state_format) -> None:
     model = small_model()
-    opt = QuantizedAdamW(model.parameters(), state_format=state_format, rounding="stochastic", min_quantized_size=0, seed=3)
+    opt = QuantizedAdamW(
+        model.parameters(), state_format=state_format, rounding="stochastic", min_quantized_size=0, seed=3
+    )
     train(model, opt, steps=3)
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
@@ -179,7 +183,9 @@ def test_stochastic_rounding_uses_its_own_seeded_stream() -> None:
     runs = []
     for seed in (0, 0, 1):
         model = small_model()
-        opt = QuantizedAdamW(model.parameters(), state_format="bf16", rounding="stochastic", seed=seed, min_quantized_size=0)
+        opt = QuantizedAdamW(
+            model.parameters(), state_format="bf16", rounding="stochastic", seed=seed, min_quantized_size=0
+        )
         rng_before = torch.get_rng_state()
         model(torch.ones(2, 64)).sum().backward()
         opt.step()

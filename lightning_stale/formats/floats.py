@@ -52,7 +52,8 @@ class FloatFormat(StateFormat):
     def _round(self, x: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
         if rounding == "nearest":
             return x.clamp(-self.max_value, self.max_value).to(self.dtype)
-        return stochastic_round_float(x, self.mantissa_bits, self.min_exponent, self.max_value, generator).to(self.dtype)
+        rounded = stochastic_round_float(x, self.mantissa_bits, self.min_exponent, self.max_value, generator)
+        return rounded.to(self.dtype)
 
     def dequantize(self, q: QuantizedState) -> Tensor:
         return q.codes.to(torch.float32, copy=True).reshape(q.shape)

@@ -31,7 +31,7 @@ def _dynamic_map(signed: bool) -> Tensor:
     data: list[float] = []
     max_exponent_bits, non_sign_bits = 7, 7
     for i in range(max_exponent_bits):
-        items = 2 ** (i + non_sign_bits - max_exponent_bits) + 1 if signed else 2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1
+        items = 2 ** (i + non_sign_bits - max_exponent_bits + (0 if signed else 1)) + 1
         boundaries = torch.linspace(0.1, 1, items, dtype=torch.float32)
         means = (boundaries[:-1] + boundaries[1:]) / 2.0
         data += ((10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
