@@ -209,20 +209,40 @@ def test_several_param_groups_with_different_betas(tmp_path):
             from lightning_stale.optim import QuantizedAdamW
 
             return QuantizedAdamW([
-                {"params": self.net[0].parameters(), "betas": (0.9, 0.95), "name": "first"},
-                {"params": self.net[2].parameters(), "betas": (0.8, 0.99), "name": "second"},
+                {"params": self.net[0].parameters(), "betas": (0.9, 0.999), "name": "first"},
+                {"params": self.net[2].parameters(), "betas": (0.8, 0.9999), "name": "second"},
             ], lr=LR, state_format="bf16", min_quantized_size=1)
 
     model = TwoGroups()
     cb = StaleStateCallback(reset="theory")
     fit(tmp_path, model, cb, steps=3)
     betas = {(id(r.slot.param), r.moment): r.slot.beta for r in records(cb).values()}
-    assert betas[(id(model.net[0].weight), "m")] == 0.9 and betas[(id(model.net[0].weight), "v")] == 0.95
-    assert betas[(id(model.net[2].weight), "m")] == 0.8 and betas[(id(model.net[2].weight), "v")] == 0.99
+    assert betas[(id(model.net[0].weight), "m")] == 0.9 and betas[(id(model.net[0].weight), "v")] == 0.999
+    assert betas[(id(model.net[2].weight), "m")] == 0.8 and betas[(id(model.net[2].weight), "v")] == 0.9999
     periods = cb.reset_periods()
-    for name, b2 in (("net.0.weight", 0.95), ("net.2.weight", 0.99)):
+    for name, b2 in (("net.0.weight", 0.999), ("net.2.weight", 0.9999)):
+        assert theory.format_rho_hat("bf16", b2) >= 1  # stale enough for the theory to reset
         assert periods[name] == theory.reset_period(theory.format_rho_hat("bf16", b2), b2, 0.6)
     assert periods["net.0.weight"] != periods["net.2.weight"]
+
+
+def test_bitsandbytes_param_groups_with_different_betas(tmp_path):
+    class TwoGroups(Net):
+        def configure_optimizers(self):
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit([
+                {"params": self.net[0].parameters(), "betas": (0.9, 0.95)},
+                {"params": self.net[2].parameters(), "betas": (0.8, 0.99)},
+            ], lr=LR)
+
+    model = TwoGroups()
+    cb = StaleStateCallback()
+    fit(tmp_path, model, cb, steps=3)
+    betas = {(id(r.slot.param), r.moment): r.slot.beta for r in records(cb).values()}
+    for layer, (b1, b2) in ((model.net[0], (0.9, 0.95)), (model.net[2], (0.8, 0.99))):
+        for p in layer.parameters():
+            assert (betas[(id(p), "m")], betas[(id(p), "v")]) == (b1, b2)
 
 
 # -- optimizers and lifecycle ----------------------------------------------------------------------------------------
