@@ -158,7 +158,7 @@ class StallTracker:
         Returns the records measured on this step.
         """
         measured = []
-        grad_masks: dict[int, Tensor] = {}
+        grad_masks: dict[int, tuple[Tensor, Tensor]] = {}  # exact mode: (mask, count) of counted gradient elements
         fresh = self.refresh(fresh_state=True)
         for record in fresh:
             record.prev = None  # created by this step: nothing to compare against yet
@@ -182,11 +182,14 @@ class StallTracker:
             elif record.exact:
                 full = slot.param.grad.reshape(-1) if slot.param.grad.numel() == slot.numel else None
                 if full is not None and id(slot.param) not in grad_masks:  # one pass per parameter, not per moment
-                    grad_masks[id(slot.param)] = torch.isfinite(full) & (full != 0)
-                mask = grad_masks[id(slot.param)] if full is not None else True
+                    mask = torch.isfinite(full).logical_and_(full != 0)
+                    grad_masks[id(slot.param)] = (mask, torch.count_nonzero(mask))
                 unchanged = slot.codes().reshape(-1) == record.prev
-                stats[STALLED] = (unchanged & mask).sum()
-                stats[COUNTED] = mask.sum() if full is not None else unchanged.numel()
+                if full is not None:
+                    mask, counted = grad_masks[id(slot.param)]
+                    unchanged.logical_and_(mask)
+                stats[STALLED] = torch.count_nonzero(unchanged)
+                stats[COUNTED] = counted if full is not None else unchanged.numel()
             else:
                 unchanged = slot.codes_at(record.index) == record.prev
                 stats[STALLED] = (unchanged & nonzero).sum() * record.weight
