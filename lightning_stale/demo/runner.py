@@ -348,7 +348,6 @@ def plot_results(results: Sequence[RunResult], path: Path, title: str = "") -> N
     axes[1].set(title="v stalled fraction: measured (solid), theory (dotted)", xlabel="step", ylim=(-0.02, 1.02))
     axes[2].set(title="v drift: median stored v / fp32 shadow", xlabel="step")
     axes[2].axhline(1.0, color="black", linewidth=0.8)
-    axes[2].set_yscale("log")
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
