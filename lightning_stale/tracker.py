@@ -64,11 +64,13 @@ class SlotRecord:
 
 
 def sample_index(key: str, numel: int, sample_size: int, seed: int) -> Tensor:
-    """A fixed, sorted set of up to ``sample_size`` flat indices, identical on every rank and after a resume."""
+    """A fixed, sorted set of up to ``sample_size`` flat indices, identical on every rank and after a resume
+    (int32 where it fits: the index is the largest part of the callback's memory)."""
+    dtype = torch.int32 if numel < 2**31 else torch.int64
     if numel <= sample_size:
-        return torch.arange(numel)
+        return torch.arange(numel, dtype=dtype)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-    return torch.unique(torch.randint(numel, (sample_size,), generator=gen))
+    return torch.unique(torch.randint(numel, (sample_size,), generator=gen)).to(dtype)
 
 
 class StallTracker:
@@ -84,6 +86,7 @@ class StallTracker:
         self.version = 0  # bumped whenever records are added or rebuilt
         self.restored: dict[str, dict] = {}  # shadow and totals from a checkpoint, adopted when the slot appears
         self._param_index: dict[int, int] = {}
+        self._indices: dict[tuple[str, int], Tensor] = {}
         self._n_state = -1
         self._state: object = None  # the optimizer's state mapping last scanned (load_state_dict replaces it)
 
@@ -115,9 +118,10 @@ class StallTracker:
             if key in self.records and self.records[key].slot.storage_id() == slot.storage_id():
                 continue
             old = self.records.get(key)
-            numel = slot.numel
-            index = sample_index(key, numel, self.sample_size, self.seed)
-            record = SlotRecord(key, self.unit_key(slot), slot, index, self.exact, numel)
+            numel, unit = slot.numel, self.unit_key(slot)
+            if (unit, numel) not in self._indices:  # the moments of one parameter share their sample
+                self._indices[unit, numel] = sample_index(unit, numel, self.sample_size, self.seed)
+            record = SlotRecord(key, unit, slot, self._indices[unit, numel], self.exact, numel)
             saved = self.restored.pop(key, None)
             if old is not None:  # same slot rebuilt (state reloaded): keep its history
                 record.totals, record.shadow = old.totals, old.shadow
