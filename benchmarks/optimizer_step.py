@@ -1,7 +1,8 @@
 """CPU step time of AdamW variants on a ~10M-parameter MLP, as ratios to bitsandbytes AdamW8bit.
 
 Fixed random gradients, ``opt.step()`` only, median over ``--steps`` interleaved steps after ``--warmup`` warm-up
-steps. The first step (lazy state creation; torch.compile for torchao) is reported separately. Run:
+steps. The first step (lazy state creation; torch.compile for torchao and for QuantizedAdamW, whose default
+``compile=None`` compiles when a C++ compiler is present) is reported separately. Run:
 
     .venv/bin/python benchmarks/optimizer_step.py --steps 20 --threads 2
 """
@@ -57,6 +58,10 @@ def optimizer_factories() -> dict[str, Callable[[list[torch.nn.Parameter]], torc
     factories["QuantizedAdamW bf16 nearest, no stall count"] = lambda p: QuantizedAdamW(
         p, state_format="bf16", count_stalls=False
     )
+    for fmt in ("bf16", "fp8_e4m3", "int8_dynamic"):
+        factories[f"QuantizedAdamW {fmt} nearest, eager"] = lambda p, f=fmt: QuantizedAdamW(
+            p, state_format=f, compile=False
+        )
     return factories
 
 
@@ -130,6 +135,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # One compiled QuantizedAdamW step per format pair, rounding and stall counting: more than dynamo's default 8.
+    torch._dynamo.config.recompile_limit = 64
 
     factories = {
         name: factory

@@ -32,11 +32,33 @@ def check_rounding(rounding: str) -> None:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
 
 
-def uniform(like: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Uniform [0, 1) fp32 noise shaped like ``like``, drawn from ``generator`` (a private one if None), never from
-    the global RNG."""
+NOISE_BITS = 24  # stochastic rounding noise: uniform integers in [0, 2^24), exact as fp32 fractions k / 2^24
+_MASK32 = (1 << 32) - 1
+
+
+def random_bits(like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Uniform int32 noise in [0, 2^NOISE_BITS) shaped like ``like``, drawn from ``generator`` (a private one if
+    None), never from the global RNG."""
     generator = generator or private_generator()
-    return torch.rand(like.shape, generator=generator, device=like.device, dtype=torch.float32)
+    return torch.randint(0, 1 << NOISE_BITS, like.shape, generator=generator, device=like.device, dtype=torch.int32)
+
+
+def counter_bits(keys: Tensor, numel: int) -> Tensor:
+    """Noise like :func:`random_bits` for ``numel`` elements, computed from two 32-bit ``keys`` (int64, shape (2,))
+    by hashing each element's index. Integer ops only, so the eager and the torch.compile'd optimizer step draw
+    identical noise, and inside a compiled step it costs no memory pass. Products stay below 2^63 (no overflow)."""
+    x = torch.arange(numel, dtype=torch.int64, device=keys.device).add_(keys[0]).bitwise_and_(_MASK32)
+    for multiplier, key in ((0x7FEB352D, None), (0x2C1B3C6D, keys[1]), (0x297A2D39, None)):
+        x = x.bitwise_xor_(x >> 16).mul_(multiplier).bitwise_and_(_MASK32)
+        if key is not None:
+            x = x.bitwise_xor_(key)
+    x = x.bitwise_xor_(x >> 15)
+    return (x >> (32 - NOISE_BITS)).to(torch.int32)
+
+
+def uniform_from_bits(bits: Tensor) -> Tensor:
+    """The fp32 fractions ``bits / 2^NOISE_BITS`` in [0, 1) (exact)."""
+    return bits.to(torch.float32).mul_(2.0**-NOISE_BITS)
 
 
 def private_generator() -> torch.Generator:
@@ -68,11 +90,19 @@ class StateFormat(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, signed={self.signed})"
 
-    @abstractmethod
     def quantize(
         self, x: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
     ) -> QuantizedState:
         """Store the fp32 tensor ``x`` (any shape) in this format."""
+        check_rounding(rounding)
+        x = x.detach().to(torch.float32)
+        noise = random_bits(x, generator) if rounding == "stochastic" else None
+        return self.quantize_with_noise(x, noise)
+
+    @abstractmethod
+    def quantize_with_noise(self, x: Tensor, noise: Tensor | None) -> QuantizedState:
+        """Store the fp32 tensor ``x``: nearest rounding when ``noise`` is None, else stochastic rounding driven by
+        ``noise`` (int32 in [0, 2^NOISE_BITS), shaped like ``x``). Pure tensor ops, so torch.compile can fuse it."""
 
     def quantize_into(
         self, q: QuantizedState, x: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
@@ -158,9 +188,8 @@ def gather(table: Tensor, index: Tensor) -> Tensor:
 
 
 def high_half(x: Tensor) -> Tensor:
-    """The top 16 bits of each fp32 pattern of the contiguous ``x`` as int32 in [0, 65535] (a bf16-sized bucket).
-    Assumes a little-endian host (the high half is the second uint16), as on x86 and ARM."""
-    return x.view(torch.uint16).view(-1, 2)[:, 1].to(torch.int32).view(x.shape)
+    """The top 16 bits of each fp32 pattern of the contiguous ``x`` as int32 in [0, 65535] (a bf16-sized bucket)."""
+    return (x.view(torch.int32) >> 16).bitwise_and_(0xFFFF)
 
 
 class GridRounder:
@@ -175,6 +204,7 @@ class GridRounder:
     def __init__(self, grid: Tensor) -> None:
         self.grid = grid.to(torch.float32)
         self.gaps = self.grid[1:] - self.grid[:-1]
+        self.low, self.high = float(self.grid[0]), float(self.grid[-1])
         self.thresholds = nearest_thresholds(self.grid)
         self.nearest_base, self.nearest_step = self._tables(self.thresholds)
         self.floor_base, self.floor_step = self._tables(self.grid[1:-1])  # floor index in [0, len - 2]
@@ -201,18 +231,19 @@ class GridRounder:
         bucket = high_half(x)
         return gather(base, bucket).add_(x >= gather(step, bucket))
 
-    def __call__(self, x: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
-        """Grid index (uint8) of each element of the contiguous fp32 ``x``. Nearest: torchao's rule. Stochastic: the
-        upper neighbour with probability (x - lo) / (hi - lo), unbiased for x inside [grid[0], grid[-1]] (values
-        outside are clamped to the ends)."""
+    def __call__(self, x: Tensor, noise: Tensor | None) -> Tensor:
+        """Grid index (uint8) of each element of the contiguous fp32 ``x``. Nearest (``noise`` None): torchao's rule.
+        Stochastic: the upper neighbour with probability (x - lo) / (hi - lo), drawn from ``noise`` (see
+        :meth:`StateFormat.quantize_with_noise`), unbiased for x inside [grid[0], grid[-1]] (values outside are
+        clamped to the ends)."""
         x = x.contiguous()
-        if rounding == "nearest":
+        if noise is None:
             return self._lookup(x, self.nearest_base, self.nearest_step)
-        x = x.clamp(self.grid[0].item(), self.grid[-1].item())
+        x = x.clamp(self.low, self.high)
         lo = self._lookup(x, self.floor_base, self.floor_step)
         lo_index = lo.int()
         frac = x - gather(self.grid, lo_index)
-        return lo.add_(frac > uniform(x, generator).mul_(gather(self.gaps, lo_index)))
+        return lo.add_(frac > uniform_from_bits(noise.reshape(x.shape)).mul_(gather(self.gaps, lo_index)))
 
 
 def grid_spacing_table(values: Tensor) -> Tensor:

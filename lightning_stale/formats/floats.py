@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_stale.formats.base import QuantizedState, StateFormat, check_rounding, private_generator, uniform
+from lightning_stale.formats.base import NOISE_BITS, QuantizedState, StateFormat, uniform_from_bits
 
 
 def float_ulp(a: Tensor, mantissa_bits: int, min_exponent: int) -> Tensor:
@@ -20,14 +20,15 @@ def float_ulp(a: Tensor, mantissa_bits: int, min_exponent: int) -> Tensor:
 
 
 def stochastic_round_float(
-    x: Tensor, mantissa_bits: int, min_exponent: int, max_value: float, generator: torch.Generator | None
+    x: Tensor, mantissa_bits: int, min_exponent: int, max_value: float, noise: Tensor
 ) -> Tensor:
     """Round fp32 ``x`` to a float grid (p mantissa bits, min normal exponent, saturating at ``max_value``) with
-    stochastic rounding: away from zero with probability (|x| - lower) / ulp. Returns fp32 values on the grid."""
+    stochastic rounding driven by ``noise`` (int32 in [0, 2^NOISE_BITS)): away from zero with probability
+    (|x| - lower) / ulp. Returns fp32 values on the grid."""
     a = x.abs().clamp_(max=max_value)
     u = float_ulp(a, mantissa_bits, min_exponent)
     lower = torch.floor(a / u).mul_(u)  # exact: u is a power of two
-    rounded = lower + u * ((a - lower) > uniform(a, generator) * u)
+    rounded = lower + u * ((a - lower) > uniform_from_bits(noise).mul_(u))
     return torch.copysign(rounded, x)
 
 
@@ -42,17 +43,13 @@ class FloatFormat(StateFormat):
         super().__init__(signed)
         self.max_value = float(torch.finfo(self.dtype).max)
 
-    def quantize(
-        self, x: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
-    ) -> QuantizedState:
-        check_rounding(rounding)
-        x = x.detach().to(torch.float32)
-        return QuantizedState(self._round(x, rounding, generator), None, x.shape)
+    def quantize_with_noise(self, x: Tensor, noise: Tensor | None) -> QuantizedState:
+        return QuantizedState(self._round(x, noise), None, x.shape)
 
-    def _round(self, x: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
-        if rounding == "nearest":
+    def _round(self, x: Tensor, noise: Tensor | None) -> Tensor:
+        if noise is None:
             return x.clamp(-self.max_value, self.max_value).to(self.dtype)
-        rounded = stochastic_round_float(x, self.mantissa_bits, self.min_exponent, self.max_value, generator)
+        rounded = stochastic_round_float(x, self.mantissa_bits, self.min_exponent, self.max_value, noise)
         return rounded.to(self.dtype)
 
     def dequantize(self, q: QuantizedState) -> Tensor:
@@ -82,7 +79,7 @@ class Fp32Format(FloatFormat):
     mantissa_bits = 23
     min_exponent = -126
 
-    def _round(self, x: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
+    def _round(self, x: Tensor, noise: Tensor | None) -> Tensor:
         return x.clone()
 
 
@@ -95,15 +92,14 @@ class Bf16Format(FloatFormat):
     mantissa_bits = 7
     min_exponent = -126
 
-    def _round(self, x: Tensor, rounding: str, generator: torch.Generator | None) -> Tensor:
-        if rounding == "nearest":
+    def _round(self, x: Tensor, noise: Tensor | None) -> Tensor:
+        if noise is None:
             return x.to(torch.bfloat16)
         # Add a random 16-bit integer to the fp32 bit pattern and drop the low 16 bits: rounds away from zero with
         # probability (low bits) / 2^16, exactly the stochastic-rounding probability (torchao's _fp32_to_bf16_sr).
         x = x.clamp(-self.max_value, self.max_value)
-        noise = torch.randint(0, 1 << 16, x.shape, generator=generator or private_generator(), dtype=torch.int32)
-        bits = x.view(torch.int32).add_(noise).bitwise_and_(-65536)
-        return bits.view(torch.float32).to(torch.bfloat16)
+        bits = x.view(torch.int32) + (noise.reshape(x.shape) >> (NOISE_BITS - 16))
+        return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
 
 
 class Fp16Format(FloatFormat):

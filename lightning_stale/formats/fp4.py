@@ -20,7 +20,6 @@ from lightning_stale.formats.base import (
     StateFormat,
     as_blocks,
     gather,
-    check_rounding,
     grid_spacing_table,
     num_blocks,
 )
@@ -63,20 +62,18 @@ class Fp4Format(StateFormat):
         super().__init__(signed)
         self.theory_name = "fp4_e2m1" if self.signed else "fp4_e2m2"
 
-    def quantize(
-        self, x: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
-    ) -> QuantizedState:
-        check_rounding(rounding)
-        x = x.detach().to(torch.float32)
+    def quantize_with_noise(self, x: Tensor, noise: Tensor | None) -> QuantizedState:
         rounder = _tables(self.signed)[0]
+        if noise is not None:
+            noise = as_blocks(noise.reshape(-1), BLOCK_SIZE)
         blocks = as_blocks(x.reshape(-1), BLOCK_SIZE)
         scale = blocks.abs().amax(dim=1).clamp_(min=1e-12)
         normalized = blocks / scale.view(-1, 1)
         if self.signed:
-            codes = rounder(normalized.abs(), rounding, generator)
+            codes = rounder(normalized.abs(), noise)
             codes = codes | ((normalized < 0) & (codes > 0)).to(torch.uint8) << 3
         else:
-            codes = rounder(normalized, rounding, generator)
+            codes = rounder(normalized, noise)
         packed = pack(codes.view(-1))
         return QuantizedState(packed[: (x.numel() + 1) // 2].clone(), scale, x.shape)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_stale.formats.base import QuantizedState, StateFormat, check_rounding, gather
+from lightning_stale.formats.base import QuantizedState, StateFormat, gather
 from lightning_stale.formats.floats import float_ulp, stochastic_round_float
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -27,16 +27,12 @@ class Fp8E4M3Format(StateFormat):
     name = "fp8_e4m3"
     theory_name = "fp8_e4m3"
 
-    def quantize(
-        self, x: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
-    ) -> QuantizedState:
-        check_rounding(rounding)
-        x = x.detach().to(torch.float32)
+    def quantize_with_noise(self, x: Tensor, noise: Tensor | None) -> QuantizedState:
         amax = x.abs().amax() if x.numel() else x.new_zeros(())
         scale = (amax / FP8_MAX).clamp(min=1e-12).reshape(1)
         scaled = (x / scale).clamp_(-FP8_MAX, FP8_MAX)
-        if rounding == "stochastic":
-            scaled = stochastic_round_float(scaled, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, FP8_MAX, generator)
+        if noise is not None:
+            scaled = stochastic_round_float(scaled, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, FP8_MAX, noise)
         return QuantizedState(scaled.to(FP8_DTYPE), scale, x.shape)
 
     def dequantize(self, q: QuantizedState) -> Tensor:

@@ -17,7 +17,6 @@ from lightning_stale.formats.base import (
     StateFormat,
     as_blocks,
     gather,
-    check_rounding,
     grid_spacing_table,
     num_blocks,
 )
@@ -67,15 +66,13 @@ class Int8DynamicFormat(StateFormat):
     name = "int8_dynamic"
     block_size = BLOCK_SIZE
 
-    def quantize(
-        self, x: Tensor, rounding: str = "nearest", generator: torch.Generator | None = None
-    ) -> QuantizedState:
-        check_rounding(rounding)
-        x = x.detach().to(torch.float32)
+    def quantize_with_noise(self, x: Tensor, noise: Tensor | None) -> QuantizedState:
         blocks = as_blocks(x.reshape(-1), BLOCK_SIZE)
         scale = blocks.abs().amax(dim=1).clamp_(min=1e-12)  # torchao's scale
         normalized = blocks / scale.view(-1, 1)
-        codes = _rounder(self.signed)(normalized, rounding, generator)
+        if noise is not None:
+            noise = as_blocks(noise.reshape(-1), BLOCK_SIZE)
+        codes = _rounder(self.signed)(normalized, noise)
         return QuantizedState(codes.view(-1)[: x.numel()].view(x.shape), scale, x.shape)
 
     def dequantize(self, q: QuantizedState) -> Tensor:

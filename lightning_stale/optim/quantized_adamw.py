@@ -9,11 +9,14 @@ the step counts how many stored codes it left unchanged (the stall counts the ca
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 from itertools import chain
 from typing import Any, Callable, Literal
 
 import torch
+import torch._inductor.config
 from torch import Tensor
 
 from lightning_stale.formats import (
@@ -24,11 +27,13 @@ from lightning_stale.formats import (
     check_rounding,
     get_format,
 )
+from lightning_stale.formats.base import counter_bits
 
 Moment = Literal["m", "v"]
 MOMENTS: tuple[Moment, ...] = ("m", "v")
 _KEYS = {"m": ("exp_avg", "exp_avg_scale", "step_m"), "v": ("exp_avg_sq", "exp_avg_sq_scale", "step_v")}
 _GENERATOR_KEY = "generator_state"
+COMPILE_MIN_NUMEL = 1 << 16  # compile=None compiles the step of parameters at least this large
 
 
 def _format_names(state_format: object) -> dict[str, str]:
@@ -57,6 +62,10 @@ class QuantizedAdamW(torch.optim.Optimizer):
         min_quantized_size: parameters with fewer elements keep fp32 moments.
         seed: seed of the optimizer's own generator for stochastic rounding (the global RNG is never used).
         count_stalls: count unchanged codes per parameter and moment during each step.
+        compile: fuse each parameter's step with ``torch.compile`` (Inductor CPU/GPU kernels, a one-off compile of
+            ~10-20 s per format pair and rounding); None compiles parameters with at least ``COMPILE_MIN_NUMEL``
+            elements when a C++ compiler is on PATH. Compiled and eager steps give the same codes and the same
+            stochastic-rounding stream (noise hashed from per-step keys drawn from ``seed``'s generator).
     """
 
     def __init__(
@@ -71,6 +80,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
         min_quantized_size: int = 4096,
         seed: int = 0,
         count_stalls: bool = True,
+        compile: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -81,7 +91,10 @@ class QuantizedAdamW(torch.optim.Optimizer):
             rounding=rounding,
             min_quantized_size=min_quantized_size,
         )
+        if compile not in (None, True, False):
+            raise ValueError(f"compile must be None, True or False, got {compile!r}")
         self.count_stalls = bool(count_stalls)
+        self.compile = compile
         self._generator = torch.Generator()
         self._generator.manual_seed(int(seed))
         self._stall_counts: dict[int, dict[str, tuple[Tensor, Tensor]]] = {}
@@ -203,45 +216,30 @@ class QuantizedAdamW(torch.optim.Optimizer):
     def _step_param(self, param: Tensor, group: dict[str, Any]) -> None:
         state = self._state_for(param, group)
         beta1, beta2 = group["betas"]
-        lr, eps, weight_decay, rounding = group["lr"], group["eps"], group["weight_decay"], group["rounding"]
-        grad = param.grad.to(torch.float32)
-        formats = {moment: self._format_in_group(group, param, moment) for moment in MOMENTS}
-        stored = {moment: _stored(state, param, moment) for moment in MOMENTS}
-
-        m = formats["m"].dequantize(stored["m"])
-        v = formats["v"].dequantize(stored["v"])
-        m.lerp_(grad, 1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         state["step_m"] += 1
         state["step_v"] += 1
-
-        # Write the moments back (from the unrounded values) and count the codes the write left unchanged.
-        counts = {}
-        counted_mask = counted = None
-        if self.count_stalls:  # counted: 0 < |g| < inf (NaN compares false); cheaper than isfinite & ne
-            magnitude = grad.abs().reshape(-1)
-            counted_mask = (magnitude > 0).logical_and_(magnitude < math.inf)
-            counted = torch.count_nonzero(counted_mask)
-        for moment, value in (("m", m), ("v", v)):
-            new = formats[moment].quantize(value, rounding, self._generator)
-            if counted_mask is not None:
-                unchanged = formats[moment].element_codes(new) == formats[moment].element_codes(stored[moment])
-                counts[moment] = (torch.count_nonzero(unchanged.logical_and_(counted_mask)), counted)
-            stored[moment].codes.copy_(new.codes)
-            if new.scale is not None:
-                stored[moment].scale.copy_(new.scale)
-        if counts:
-            self._stall_counts[id(param)] = counts
-
-        # Parameter update from the unrounded fp32 moments, exactly as torch.optim.AdamW.
         bias_correction1 = 1 - beta1 ** state["step_m"].item()
         bias_correction2 = 1 - beta2 ** state["step_v"].item()
-        target = param if param.dtype == torch.float32 else param.float()
-        target.mul_(1 - lr * weight_decay)
-        denom = v.sqrt_().div_(math.sqrt(bias_correction2)).add_(eps)
-        target.addcdiv_(m, denom, value=-lr / bias_correction1)
-        if target is not param:
-            param.copy_(target)
+        hyper = torch.tensor([1 - beta1, beta2, 1 - beta2, 1 - lr * weight_decay, math.sqrt(bias_correction2), eps,
+                              -lr / bias_correction1])  # a tensor, so the compiled step is not specialized to them
+        keys = None
+        if group["rounding"] == "stochastic":  # two 32-bit hash keys per moment from the optimizer's own generator
+            keys = torch.randint(0, 1 << 32, (4,), generator=self._generator, dtype=torch.int64)
+        m_codes, m_scale, _ = (state.get(key) for key in _KEYS["m"])
+        v_codes, v_scale, _ = (state.get(key) for key in _KEYS["v"])
+        update = _compiled_update() if self._compiles(param) else _update
+        counts = update(param, param.grad, m_codes, m_scale, v_codes, v_scale, hyper, keys,
+                        self._format_in_group(group, param, "m"), self._format_in_group(group, param, "v"),
+                        self.count_stalls)
+        if counts is not None:
+            stalled_m, stalled_v, counted = counts
+            self._stall_counts[id(param)] = {"m": (stalled_m, counted), "v": (stalled_v, counted)}
+
+    def _compiles(self, param: Tensor) -> bool:
+        if self.compile is None:
+            return param.numel() >= COMPILE_MIN_NUMEL and compiler_available()
+        return self.compile
 
     # ----------------------------------------------------------------------------------------------------------------
     # Checkpoints
@@ -270,6 +268,78 @@ class QuantizedAdamW(torch.optim.Optimizer):
             self._validate_group(group)
         if generator_state is not None:
             self._generator.set_state(generator_state)
+
+
+def _update(
+    param: Tensor,
+    grad: Tensor,
+    m_codes: Tensor,
+    m_scale: Tensor | None,
+    v_codes: Tensor,
+    v_scale: Tensor | None,
+    hyper: Tensor,
+    keys: Tensor | None,
+    m_format: StateFormat,
+    v_format: StateFormat,
+    count_stalls: bool,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """One parameter's step, in place: dequantize both moments, update them in fp32, write them back (stochastic
+    rounding when ``keys`` is given), count unchanged codes, update the parameter from the unrounded moments exactly as
+    ``torch.optim.AdamW``. Pure tensor ops on the state's own tensors, run as is or fused by torch.compile.
+
+    ``hyper``: fp32 (1 - beta1, beta2, 1 - beta2, 1 - lr * weight_decay, sqrt(bias_correction2), eps, -lr /
+    bias_correction1). Returns (stalled m, stalled v, counted) when ``count_stalls``, else None.
+    """
+    lerp_weight, beta2, one_minus_beta2, decay, sqrt_bias_correction2, eps, step_size = hyper.unbind()
+    grad = grad.to(torch.float32)
+    old_m = QuantizedState(m_codes, m_scale, param.shape)
+    old_v = QuantizedState(v_codes, v_scale, param.shape)
+    # Written out as separate multiplies and adds: eager lerp_/addcmul_/addcdiv_ use fused multiply-adds that
+    # Inductor does not, and these forms give bit-identical results eager and compiled.
+    m = m_format.dequantize(old_m)
+    m.add_((grad - m).mul_(lerp_weight))
+    v = v_format.dequantize(old_v).mul_(beta2).add_((one_minus_beta2 * grad).mul_(grad))
+
+    numel = param.numel()
+    m_noise = None if keys is None else counter_bits(keys[:2], numel).view(param.shape)
+    v_noise = None if keys is None else counter_bits(keys[2:], numel).view(param.shape)
+    new_m = m_format.quantize_with_noise(m, m_noise)
+    new_v = v_format.quantize_with_noise(v, v_noise)
+    counts = None
+    if count_stalls:  # counted: 0 < |g| < inf (NaN compares false); cheaper than isfinite & ne
+        magnitude = grad.abs().reshape(-1)
+        counted_mask = (magnitude > 0).logical_and_(magnitude < math.inf)
+        stalled = [
+            torch.count_nonzero((fmt.element_codes(new) == fmt.element_codes(old)).logical_and_(counted_mask))
+            for fmt, new, old in ((m_format, new_m, old_m), (v_format, new_v, old_v))
+        ]
+        counts = (stalled[0], stalled[1], torch.count_nonzero(counted_mask))
+    for old, new in ((old_m, new_m), (old_v, new_v)):
+        old.codes.copy_(new.codes)
+        if new.scale is not None:
+            old.scale.copy_(new.scale)
+
+    target = param if param.dtype == torch.float32 else param.float()
+    target.mul_(decay)
+    denom = v.sqrt_().div_(sqrt_bias_correction2).add_(eps)
+    target.add_(m.mul_(step_size).div_(denom))
+    if target is not param:
+        param.copy_(target)
+    return counts
+
+
+@lru_cache(maxsize=1)
+def _compiled_update() -> Callable[..., tuple[Tensor, Tensor, Tensor] | None]:
+    """:func:`_update` compiled once with dynamic shapes (Inductor fuses it into a few loops per parameter); dynamo
+    specializes it per format pair, rounding and ``count_stalls``."""
+    return torch.compile(_update, dynamic=True)
+
+
+@lru_cache(maxsize=1)
+def compiler_available() -> bool:
+    """Whether a C++ compiler for Inductor's CPU backend is on PATH."""
+    candidates = [torch._inductor.config.cpp.cxx[1], "g++", "c++", "clang++"]
+    return any(name and shutil.which(name) for name in candidates)
 
 
 def _stored(state: dict[str, Any], param: Tensor, moment: Moment) -> QuantizedState:
