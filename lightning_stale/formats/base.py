@@ -32,7 +32,7 @@ def check_rounding(rounding: str) -> None:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
 
 
-NOISE_BITS = 24  # stochastic rounding noise: uniform integers in [0, 2^24), exact as fp32 fractions k / 2^24
+NOISE_BITS = 16  # stochastic rounding noise: uniform integers in [0, 2^16), exact as fp32 fractions k / 2^16
 _MASK32 = (1 << 32) - 1
 
 
@@ -43,17 +43,16 @@ def random_bits(like: Tensor, generator: torch.Generator | None) -> Tensor:
     return torch.randint(0, 1 << NOISE_BITS, like.shape, generator=generator, device=like.device, dtype=torch.int32)
 
 
-def counter_bits(keys: Tensor, numel: int) -> Tensor:
-    """Noise like :func:`random_bits` for ``numel`` elements, computed from two 32-bit ``keys`` (int64, shape (2,))
-    by hashing each element's index. Integer ops only, so the eager and the torch.compile'd optimizer step draw
-    identical noise, and inside a compiled step it costs no memory pass. Products stay below 2^63 (no overflow)."""
+def counter_bits(keys: Tensor, numel: int) -> tuple[Tensor, Tensor]:
+    """Two independent noise tensors like :func:`random_bits` for ``numel`` elements, from one 32-bit hash of each
+    element's index keyed by two 32-bit ``keys`` (int64, shape (2,)). Integer ops only, so an eager and a
+    torch.compile'd step draw identical noise, and inside a compiled step it costs no memory pass. Products stay
+    below 2^63 (no overflow)."""
     x = torch.arange(numel, dtype=torch.int64, device=keys.device).add_(keys[0]).bitwise_and_(_MASK32)
-    for multiplier, key in ((0x7FEB352D, None), (0x2C1B3C6D, keys[1]), (0x297A2D39, None)):
-        x = x.bitwise_xor_(x >> 16).mul_(multiplier).bitwise_and_(_MASK32)
-        if key is not None:
-            x = x.bitwise_xor_(key)
-    x = x.bitwise_xor_(x >> 15)
-    return (x >> (32 - NOISE_BITS)).to(torch.int32)
+    x = x.bitwise_xor_(x >> 16).mul_(0x7FEB352D).bitwise_and_(_MASK32).bitwise_xor_(keys[1])
+    x = x.bitwise_xor_(x >> 15).mul_(0x2C1B3C6D).bitwise_and_(_MASK32)
+    x = x.bitwise_xor_(x >> 16)
+    return (x >> 16).to(torch.int32), x.bitwise_and_(0xFFFF).to(torch.int32)
 
 
 def uniform_from_bits(bits: Tensor) -> Tensor:

@@ -60,10 +60,12 @@ class Fp4Format(StateFormat):
 
     def __init__(self, signed: bool) -> None:
         super().__init__(signed)
+        # Built here, not on first use: a table built inside a torch.compile'd step would be traced into it.
+        self._rounder, self._values, self._spacings = _tables(self.signed)
         self.theory_name = "fp4_e2m1" if self.signed else "fp4_e2m2"
 
     def quantize_with_noise(self, x: Tensor, noise: Tensor | None) -> QuantizedState:
-        rounder = _tables(self.signed)[0]
+        rounder = self._rounder
         if noise is not None:
             noise = as_blocks(noise.reshape(-1), BLOCK_SIZE)
         blocks = as_blocks(x.reshape(-1), BLOCK_SIZE)
@@ -87,10 +89,10 @@ class Fp4Format(StateFormat):
         return (as_blocks(normalized, BLOCK_SIZE) * q.scale.view(-1, 1)).view(-1)[:numel].view(q.shape)
 
     def dequantize(self, q: QuantizedState) -> Tensor:
-        return self._per_code(q, _tables(self.signed)[1])
+        return self._per_code(q, self._values)
 
     def spacing(self, q: QuantizedState) -> Tensor:
-        return self._per_code(q, _tables(self.signed)[2])
+        return self._per_code(q, self._spacings)
 
     def empty(self, shape: torch.Size | tuple[int, ...]) -> QuantizedState:
         shape = torch.Size(shape)

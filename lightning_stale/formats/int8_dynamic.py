@@ -66,22 +66,28 @@ class Int8DynamicFormat(StateFormat):
     name = "int8_dynamic"
     block_size = BLOCK_SIZE
 
+    def __init__(self, signed: bool) -> None:
+        super().__init__(signed)
+        # Built here, not on first use: a table built inside a torch.compile'd step would be traced into it.
+        self._map = _dynamic_map(self.signed)
+        self._rounder = _rounder(self.signed)
+
     def quantize_with_noise(self, x: Tensor, noise: Tensor | None) -> QuantizedState:
         blocks = as_blocks(x.reshape(-1), BLOCK_SIZE)
         scale = blocks.abs().amax(dim=1).clamp_(min=1e-12)  # torchao's scale
         normalized = blocks / scale.view(-1, 1)
         if noise is not None:
             noise = as_blocks(noise.reshape(-1), BLOCK_SIZE)
-        codes = _rounder(self.signed)(normalized, noise)
+        codes = self._rounder(normalized, noise)
         return QuantizedState(codes.view(-1)[: x.numel()].view(x.shape), scale, x.shape)
 
     def dequantize(self, q: QuantizedState) -> Tensor:
-        qmap = _dynamic_map(self.signed)
+        qmap = self._map
         values = as_blocks(gather(qmap, q.codes.reshape(-1).int()), BLOCK_SIZE) * q.scale.view(-1, 1)
         return values.view(-1)[: q.codes.numel()].view(q.shape)
 
     def spacing(self, q: QuantizedState) -> Tensor:
-        return spacing_from_codes(q.codes, q.scale, _dynamic_map(self.signed), BLOCK_SIZE).reshape(q.shape)
+        return spacing_from_codes(q.codes, q.scale, self._map, BLOCK_SIZE).reshape(q.shape)
 
     def empty(self, shape: torch.Size | tuple[int, ...]) -> QuantizedState:
         shape = torch.Size(shape)

@@ -224,8 +224,8 @@ class QuantizedAdamW(torch.optim.Optimizer):
         hyper = torch.tensor([1 - beta1, beta2, 1 - beta2, 1 - lr * weight_decay, math.sqrt(bias_correction2), eps,
                               -lr / bias_correction1])  # a tensor, so the compiled step is not specialized to them
         keys = None
-        if group["rounding"] == "stochastic":  # two 32-bit hash keys per moment from the optimizer's own generator
-            keys = torch.randint(0, 1 << 32, (4,), generator=self._generator, dtype=torch.int64)
+        if group["rounding"] == "stochastic":  # two 32-bit hash keys per step from the optimizer's own generator
+            keys = torch.randint(0, 1 << 32, (2,), generator=self._generator, dtype=torch.int64)
         m_codes, m_scale, _ = (state.get(key) for key in _KEYS["m"])
         v_codes, v_scale, _ = (state.get(key) for key in _KEYS["v"])
         update = _compiled_update() if self._compiles(param) else _update
@@ -300,20 +300,21 @@ def _update(
     m.add_((grad - m).mul_(lerp_weight))
     v = v_format.dequantize(old_v).mul_(beta2).add_((one_minus_beta2 * grad).mul_(grad))
 
-    numel = param.numel()
-    m_noise = None if keys is None else counter_bits(keys[:2], numel).view(param.shape)
-    v_noise = None if keys is None else counter_bits(keys[2:], numel).view(param.shape)
+    m_noise = v_noise = None
+    if keys is not None:
+        m_noise, v_noise = (noise.view(param.shape) for noise in counter_bits(keys, param.numel()))
     new_m = m_format.quantize_with_noise(m, m_noise)
     new_v = v_format.quantize_with_noise(v, v_noise)
     counts = None
     if count_stalls:  # counted: 0 < |g| < inf (NaN compares false); cheaper than isfinite & ne
         magnitude = grad.abs().reshape(-1)
         counted_mask = (magnitude > 0).logical_and_(magnitude < math.inf)
+        # int32 compares and bool sums vectorize in Inductor (count_nonzero and int16/uint8 compares do not)
         stalled = [
-            torch.count_nonzero((fmt.element_codes(new) == fmt.element_codes(old)).logical_and_(counted_mask))
+            (fmt.element_codes(new).int() == fmt.element_codes(old).int()).logical_and_(counted_mask).sum()
             for fmt, new, old in ((m_format, new_m, old_m), (v_format, new_v, old_v))
         ]
-        counts = (stalled[0], stalled[1], torch.count_nonzero(counted_mask))
+        counts = (stalled[0], stalled[1], counted_mask.sum())
     for old, new in ((old_m, new_m), (old_v, new_v)):
         old.codes.copy_(new.codes)
         if new.scale is not None:
