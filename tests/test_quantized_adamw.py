@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_stale.formats import FORMAT_NAMES, get_format
+from lightning_stale.formats.base import NOISE_BITS, counter_bits
 from lightning_stale.optim import QuantizedAdamW
 
 
@@ -208,11 +209,52 @@ def test_stochastic_rounding_uses_its_own_seeded_stream() -> None:
         ({"eps": -1e-8}, "eps"),
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"min_quantized_size": -1}, "min_quantized_size"),
+        ({"compile": "yes"}, "compile"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs: dict, message: str) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         QuantizedAdamW(small_model().parameters(), **kwargs)
+
+
+def test_stochastic_step_noise_is_uniform_and_keyed() -> None:
+    """The step's counter-hashed noise: near-uniform 16-bit values, independent per moment and per key."""
+    m_noise, v_noise = counter_bits(torch.tensor([1, 2]), 1 << 16)
+    other, _ = counter_bits(torch.tensor([1, 3]), 1 << 16)
+    for noise in (m_noise, v_noise):
+        assert noise.dtype == torch.int32 and 0 <= noise.min() and noise.max() < 1 << NOISE_BITS
+        counts = torch.bincount(noise >> 12, minlength=16).float()  # 16 bins of 4096 expected values
+        assert (counts - 4096).abs().max() < 400
+    for a, b in ((m_noise, v_noise), (m_noise, other)):
+        assert (a == b).float().mean() < 0.01 and abs(torch.corrcoef(torch.stack([a, b]).float())[0, 1]) < 0.02
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "state_format,rounding",
+    [({"m": "int8_dynamic", "v": "bf16"}, "stochastic"), ({"m": "fp8_e4m3", "v": "fp4"}, "stochastic"),
+     ({"m": "fp4", "v": "int8_dynamic"}, "nearest")],
+)
+def test_compiled_step_equals_eager(state_format, rounding: str) -> None:
+    """torch.compile'd steps store the same codes, scales and stall counts as eager ones, stochastic stream included;
+    parameters agree to an ulp (eager torch.sqrt is not correctly rounded, Inductor's is)."""
+    runs = []
+    for compile in (False, True):
+        weight = torch.nn.Parameter(torch.linspace(-1, 1, 256 * 40).reshape(40, 256))
+        opt = QuantizedAdamW([weight], lr=1e-2, state_format=state_format, rounding=rounding, seed=4, compile=compile)
+        g = torch.Generator().manual_seed(0)
+        counts = []
+        for _ in range(3):
+            weight.grad = torch.randn(weight.shape, generator=g) * 1e-3
+            weight.grad[0] = 0.0
+            opt.step()
+            counts.append([c.item() for mo in ("m", "v") for c in opt.last_stall_counts()[id(weight)][mo]])
+        runs.append((weight.detach(), opt.state[weight], counts))
+    (eager_weight, eager_state, eager_counts), (compiled_weight, compiled_state, compiled_counts) = runs
+    for key, value in eager_state.items():
+        assert torch.equal(value, compiled_state[key]), key
+    assert eager_counts == compiled_counts
+    torch.testing.assert_close(eager_weight, compiled_weight, rtol=1e-6, atol=1e-7)
 
 
 def test_invalid_param_group_override_and_moment_names() -> None:

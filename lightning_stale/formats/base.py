@@ -43,15 +43,20 @@ def random_bits(like: Tensor, generator: torch.Generator | None) -> Tensor:
     return torch.randint(0, 1 << NOISE_BITS, like.shape, generator=generator, device=like.device, dtype=torch.int32)
 
 
+def _mix(x: Tensor, multiplier: int) -> Tensor:
+    """One xorshift-multiply round of a 32-bit hash held in int64 (multiplier < 2^31, so no overflow), in place."""
+    return x.bitwise_xor_(x >> 16).mul_(multiplier).bitwise_and_(_MASK32)
+
+
 def counter_bits(keys: Tensor, numel: int) -> tuple[Tensor, Tensor]:
     """Two independent noise tensors like :func:`random_bits` for ``numel`` elements, from one 32-bit hash of each
     element's index keyed by two 32-bit ``keys`` (int64, shape (2,)). Integer ops only, so an eager and a
     torch.compile'd step draw identical noise, and inside a compiled step it costs no memory pass. Products stay
     below 2^63 (no overflow)."""
     x = torch.arange(numel, dtype=torch.int64, device=keys.device).add_(keys[0]).bitwise_and_(_MASK32)
-    x = x.bitwise_xor_(x >> 16).mul_(0x7FEB352D).bitwise_and_(_MASK32).bitwise_xor_(keys[1])
-    x = x.bitwise_xor_(x >> 15).mul_(0x2C1B3C6D).bitwise_and_(_MASK32)
-    x = x.bitwise_xor_(x >> 16)
+    x = _mix(x, 0x7FEB352D).bitwise_xor_(keys[1])
+    x = _mix(_mix(x, 0x2C1B3C6D), 0x297A2D39)
+    x = x.bitwise_xor_(x >> 15)
     return (x >> 16).to(torch.int32), x.bitwise_and_(0xFFFF).to(torch.int32)
 
 
