@@ -229,9 +229,13 @@ class QuantizedAdamW(torch.optim.Optimizer):
         m_codes, m_scale, _ = (state.get(key) for key in _KEYS["m"])
         v_codes, v_scale, _ = (state.get(key) for key in _KEYS["v"])
         update = _compiled_update() if self._compiles(param) else _update
-        counts = update(param, param.grad, m_codes, m_scale, v_codes, v_scale, hyper, keys,
-                        self._format_in_group(group, param, "m"), self._format_in_group(group, param, "v"),
-                        self.count_stalls)
+        new_m, new_v, counts = update(param, param.grad, m_codes, m_scale, v_codes, v_scale, hyper, keys,
+                                      self._format_in_group(group, param, "m"),
+                                      self._format_in_group(group, param, "v"), self.count_stalls)
+        for codes, scale, new in ((m_codes, m_scale, new_m), (v_codes, v_scale, new_v)):
+            codes.copy_(new.codes)
+            if scale is not None:
+                scale.copy_(new.scale)
         if counts is not None:
             stalled_m, stalled_v, counted = counts
             self._stall_counts[id(param)] = {"m": (stalled_m, counted), "v": (stalled_v, counted)}
@@ -282,13 +286,14 @@ def _update(
     m_format: StateFormat,
     v_format: StateFormat,
     count_stalls: bool,
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """One parameter's step, in place: dequantize both moments, update them in fp32, write them back (stochastic
-    rounding when ``keys`` is given), count unchanged codes, update the parameter from the unrounded moments exactly as
-    ``torch.optim.AdamW``. Pure tensor ops on the state's own tensors, run as is or fused by torch.compile.
+) -> tuple[QuantizedState, QuantizedState, tuple[Tensor, Tensor, Tensor] | None]:
+    """One parameter's step: dequantize both moments, update them in fp32, requantize them (stochastic rounding when
+    ``keys`` is given), count unchanged codes, update the parameter in place from the unrounded moments exactly as
+    ``torch.optim.AdamW``. Pure tensor ops, run as is or fused by torch.compile. The caller copies the new moments
+    into the state: Inductor then reads each old code once, in the same loop that counts and writes.
 
     ``hyper``: fp32 (1 - beta1, beta2, 1 - beta2, 1 - lr * weight_decay, sqrt(bias_correction2), eps, -lr /
-    bias_correction1). Returns (stalled m, stalled v, counted) when ``count_stalls``, else None.
+    bias_correction1). Returns the new m and v and (stalled m, stalled v, counted) when ``count_stalls``, else None.
     """
     lerp_weight, beta2, one_minus_beta2, decay, sqrt_bias_correction2, eps, step_size = hyper.unbind()
     grad = grad.to(torch.float32)
@@ -309,28 +314,31 @@ def _update(
     if count_stalls:  # counted: 0 < |g| < inf (NaN compares false); cheaper than isfinite & ne
         magnitude = grad.abs().reshape(-1)
         counted_mask = (magnitude > 0).logical_and_(magnitude < math.inf)
-        # int32 compares and bool sums vectorize in Inductor (count_nonzero and int16/uint8 compares do not)
         stalled = [
-            (fmt.element_codes(new).int() == fmt.element_codes(old).int()).logical_and_(counted_mask).sum()
+            (_comparable_codes(fmt, new) == _comparable_codes(fmt, old)).logical_and_(counted_mask).sum()
             for fmt, new, old in ((m_format, new_m, old_m), (v_format, new_v, old_v))
         ]
         counts = (stalled[0], stalled[1], counted_mask.sum())
-    for old, new in ((old_m, new_m), (old_v, new_v)):
-        old.codes.copy_(new.codes)
-        if new.scale is not None:
-            old.scale.copy_(new.scale)
-
     target = param if param.dtype == torch.float32 else param.float()
     target.mul_(decay)
     denom = v.sqrt_().div_(sqrt_bias_correction2).add_(eps)
     target.add_(m.mul_(step_size).div_(denom))
     if target is not param:
         param.copy_(target)
-    return counts
+    return new_m, new_v, counts
+
+
+def _comparable_codes(state_format: StateFormat, q: QuantizedState) -> Tensor:
+    """int32 per element, equal iff :meth:`StateFormat.element_codes` are equal. 16-bit floats are widened to their
+    fp32 bit patterns (exact) because Inductor does not vectorize int16 bitcasts; a sum over an unvectorized compare
+    would cost a scalar pass over the whole fused step."""
+    if q.codes.dtype in (torch.bfloat16, torch.float16):
+        return q.codes.float().view(torch.int32).reshape(-1)
+    return state_format.element_codes(q).int()
 
 
 @lru_cache(maxsize=1)
-def _compiled_update() -> Callable[..., tuple[Tensor, Tensor, Tensor] | None]:
+def _compiled_update() -> Callable[..., tuple[QuantizedState, QuantizedState, tuple[Tensor, Tensor, Tensor] | None]]:
     """:func:`_update` compiled once with dynamic shapes (Inductor fuses it into a few loops per parameter); dynamo
     specializes it per format pair, rounding and ``count_stalls``."""
     return torch.compile(_update, dynamic=True)
