@@ -24,12 +24,20 @@ def stochastic_round_float(
 ) -> Tensor:
     """Round fp32 ``x`` to a float grid (p mantissa bits, min normal exponent, saturating at ``max_value``) with
     stochastic rounding driven by ``noise`` (int32 in [0, 2^NOISE_BITS)): away from zero with probability
-    (|x| - lower) / ulp. Returns fp32 values on the grid."""
+    (|x| - lower) / ulp. Returns fp32 values on the grid.
+
+    Adds the noise below the kept mantissa bits of the fp32 pattern and truncates them. Subnormals of the target
+    grid (|x| < 2^emin, spacing 2^(emin - p)) are shifted by 2^emin into the lowest normal binade, which has the same
+    spacing, rounded there and shifted back (exact up to the fp32 rounding of the shift, 2^-24 relative)."""
+    dropped = 23 - mantissa_bits
+    shift = dropped - NOISE_BITS
+    offset = 2.0**min_exponent
     a = x.abs().clamp_(max=max_value)
-    u = float_ulp(a, mantissa_bits, min_exponent)
-    lower = torch.floor(a / u).mul_(u)  # exact: u is a power of two
-    rounded = lower + u * ((a - lower) > uniform_from_bits(noise).mul_(u))
-    return torch.copysign(rounded, x)
+    small = a < offset
+    shifted = torch.where(small, a + offset, a)
+    bits = noise.reshape(x.shape) << shift if shift >= 0 else noise.reshape(x.shape) >> -shift
+    rounded = (shifted.view(torch.int32) + bits).bitwise_and_(-(1 << dropped)).view(torch.float32)
+    return torch.copysign(torch.where(small, rounded - offset, rounded), x)
 
 
 class FloatFormat(StateFormat):
