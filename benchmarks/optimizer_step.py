@@ -10,11 +10,14 @@ steps. The first step (lazy state creation; torch.compile for torchao and for Qu
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
+import torch._inductor.config
 
 from lightning_stale.formats import get_format
 from lightning_stale.optim import QuantizedAdamW
@@ -135,6 +138,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    # Cold compiles: a fresh Inductor cache, so first-step times include code generation and the C++ build.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="optimizer_step_inductor_")
+    torch._inductor.config.fx_graph_cache = False
     # One compiled QuantizedAdamW step per format pair, rounding and stall counting: more than dynamo's default 8.
     torch._dynamo.config.recompile_limit = 64
 

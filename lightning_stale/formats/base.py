@@ -6,7 +6,6 @@ the absolute grid spacing at each stored value, which the stalling theory divide
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -146,7 +145,7 @@ class StateFormat(ABC):
 
 def num_blocks(numel: int, block_size: int) -> int:
     """Blocks needed for ``numel`` elements (the last one may be partial; an empty tensor still gets one)."""
-    return max(1, math.ceil(numel / block_size))
+    return max(1, (numel + block_size - 1) // block_size)  # integer ops: symbolic sizes under torch.compile stay so
 
 
 def as_blocks(flat: Tensor, block_size: int) -> Tensor:

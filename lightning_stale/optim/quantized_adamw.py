@@ -4,6 +4,10 @@ Each step follows the paper's Algorithm 1: dequantize both moments, update them 
 the unrounded fp32 moments (decoupled weight decay, as ``torch.optim.AdamW``), then write the moments back in their
 format. Each moment keeps its own bias-correction age (``step_m``, ``step_v``) so one moment can be reset alone, and
 the step counts how many stored codes it left unchanged (the stall counts the callback reads).
+
+One function, :func:`_update`, does all of this for one parameter. It runs eagerly for small parameters and, where a
+C++ compiler is available, fused by ``torch.compile`` (one Inductor kernel instead of 30-40 elementwise passes) for
+large ones; both give the same stored codes, scales, stall counts and stochastic-rounding stream.
 """
 
 from __future__ import annotations
@@ -221,19 +225,29 @@ class QuantizedAdamW(torch.optim.Optimizer):
         state["step_v"] += 1
         bias_correction1 = 1 - beta1 ** state["step_m"].item()
         bias_correction2 = 1 - beta2 ** state["step_v"].item()
-        hyper = torch.tensor([1 - beta1, beta2, 1 - beta2, 1 - lr * weight_decay, math.sqrt(bias_correction2), eps,
-                              -lr / bias_correction1])  # a tensor, so the compiled step is not specialized to them
+        hyper = torch.tensor(  # a tensor, so the compiled step is not specialized to these values
+            [1 - beta1, beta2, 1 - beta2, 1 - lr * weight_decay, math.sqrt(bias_correction2), eps,
+             -lr / bias_correction1],
+            device=param.device,
+        )
         keys = None
         if group["rounding"] == "stochastic":  # two 32-bit hash keys per step from the optimizer's own generator
-            keys = torch.randint(0, 1 << 32, (2,), generator=self._generator, dtype=torch.int64)
+            keys = torch.randint(0, 1 << 32, (2,), generator=self._generator, dtype=torch.int64).to(param.device)
         m_codes, m_scale, _ = (state.get(key) for key in _KEYS["m"])
         v_codes, v_scale, _ = (state.get(key) for key in _KEYS["v"])
-        update = _compiled_update() if self._compiles(param) else _update
-        new_m, new_v, counts = update(param, param.grad, m_codes, m_scale, v_codes, v_scale, hyper, keys,
-                                      self._format_in_group(group, param, "m"),
-                                      self._format_in_group(group, param, "v"), self.count_stalls)
+        formats = (self._format_in_group(group, param, "m"), self._format_in_group(group, param, "v"))
+        if self._compiles(param):
+            # Flat views of the same storage: one symbolic size per compiled step, whatever the parameter's shape.
+            # detach(): dynamo specializes the shapes of parameters, not of plain tensors.
+            flat = [t if t is None or t.dim() == 1 else t.view(-1) for t in (m_codes, v_codes)]
+            new_m, new_v, counts = _compiled_update()(
+                param.detach().view(-1), param.grad.view(-1), flat[0], m_scale, flat[1], v_scale, hyper, keys,
+                *formats, self.count_stalls)
+        else:
+            new_m, new_v, counts = _update(
+                param, param.grad, m_codes, m_scale, v_codes, v_scale, hyper, keys, *formats, self.count_stalls)
         for codes, scale, new in ((m_codes, m_scale, new_m), (v_codes, v_scale, new_v)):
-            codes.copy_(new.codes)
+            codes.copy_(new.codes.view(codes.shape))
             if scale is not None:
                 scale.copy_(new.scale)
         if counts is not None:
@@ -241,6 +255,9 @@ class QuantizedAdamW(torch.optim.Optimizer):
             self._stall_counts[id(param)] = {"m": (stalled_m, counted), "v": (stalled_v, counted)}
 
     def _compiles(self, param: Tensor) -> bool:
+        """Whether ``param``'s step runs compiled (see the ``compile`` argument)."""
+        if not (param.is_contiguous() and param.grad.is_contiguous()):
+            return False
         if self.compile is None:
             return param.numel() >= COMPILE_MIN_NUMEL and compiler_available()
         return self.compile
