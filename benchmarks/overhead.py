@@ -135,15 +135,16 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def callback_bytes(callback: StaleStateCallback) -> tuple[int, int]:
     """(resident bytes kept between steps, bytes of the code snapshot held during a measured step)."""
-    resident = snapshot = 0
+    kept: dict[int, int] = {}  # by data pointer: the moments of a parameter share their sample index
+    snapshot = 0
     for tracked in callback._tracked:
         for record in tracked.tracker.records.values():
             for t in (record.index, record.shadow, record.totals, record.last_step):
                 if t is not None:
-                    resident += t.numel() * t.element_size()
+                    kept[t.data_ptr()] = t.numel() * t.element_size()
             codes = record.slot.codes()
             snapshot += (codes.numel() if record.exact else record.index.numel()) * codes.element_size()
-    return resident, snapshot
+    return sum(kept.values()), snapshot
 
 
 def run(make_optimizer: Callable, config: dict | None, steps: int, warmup: int, root: str,
