@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_stale.formats.base import NOISE_BITS, QuantizedState, StateFormat, uniform_from_bits
+from lightning_stale.formats.base import NOISE_BITS, QuantizedState, StateFormat
 
 
 def float_ulp(a: Tensor, mantissa_bits: int, min_exponent: int) -> Tensor:
