@@ -29,6 +29,7 @@ from lightning_stale.adapters.base import OptimizerAdapter, Slot
 # Columns of the per-slot accumulator: stalled, counted, underflowed, underflow-counted (sampled), measured steps.
 STALLED, COUNTED, UNDERFLOW, UNDERFLOW_COUNTED, MEASURED = range(5)
 N_STATS = 5
+_ZERO, _ONE = torch.tensor(0), torch.tensor(1)
 
 
 @dataclass(eq=False)
@@ -163,26 +164,31 @@ class StallTracker:
         """
         measured = []
         grad_masks: dict[int, tuple[Tensor, Tensor]] = {}  # exact mode: (mask, count) of counted gradient elements
+        sampled: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # m and v of a parameter share a sample
         fresh = self.refresh(fresh_state=True)
         for record in fresh:
             record.prev = None  # created by this step: nothing to compare against yet
         for record in self.records.values():
             slot = record.slot
-            grad = slot.grad_at(record.index)
-            if grad is None:
+            shared = (id(slot.param), id(record.index))
+            if shared not in sampled:
+                grad = slot.grad_at(record.index)
+                if grad is not None:
+                    nonzero = torch.isfinite(grad).logical_and_(grad != 0)
+                    sampled[shared] = (grad, nonzero, torch.count_nonzero(nonzero))
+            if shared not in sampled:  # no gradient: the optimizer skipped this parameter
                 record.prev = None
                 continue
-            nonzero = torch.isfinite(grad) & (grad != 0)
+            grad, nonzero, n_nonzero = sampled[shared]
             if record.shadow is not None:
                 signal = grad if slot.signal == "g" else grad * grad
-                updated = torch.lerp(record.shadow, signal, 1.0 - slot.beta)
-                record.shadow = torch.where(nonzero, updated, record.shadow)
+                record.shadow = torch.where(nonzero, torch.lerp(record.shadow, signal, 1.0 - slot.beta), record.shadow)
             if record.prev is None:
                 continue
-            stats = torch.zeros(N_STATS, dtype=torch.float64)
             counts = builtin.get((id(slot.param), slot.moment)) if builtin and not _is_split(slot) else None
             if counts is not None:
-                stats[STALLED], stats[COUNTED] = counts[0], counts[1]
+                stalled, counted = counts
+                stall_weight = 1.0
             elif record.exact:
                 full = slot.param.grad.reshape(-1) if slot.param.grad.numel() == slot.numel else None
                 if full is not None and id(slot.param) not in grad_masks:  # one pass per parameter, not per moment
@@ -192,16 +198,19 @@ class StallTracker:
                 if full is not None:
                     mask, counted = grad_masks[id(slot.param)]
                     unchanged.logical_and_(mask)
-                stats[STALLED] = torch.count_nonzero(unchanged)
-                stats[COUNTED] = counted if full is not None else unchanged.numel()
+                else:
+                    counted = torch.tensor(unchanged.numel())
+                stalled, stall_weight = torch.count_nonzero(unchanged), 1.0
             else:
-                unchanged = slot.codes_at(record.index) == record.prev
-                stats[STALLED] = (unchanged & nonzero).sum() * record.weight
-                stats[COUNTED] = nonzero.sum() * record.weight
+                stalled = torch.count_nonzero((slot.codes_at(record.index) == record.prev).logical_and_(nonzero))
+                counted, stall_weight = n_nonzero, record.weight
             if slot.moment == "v":
-                stats[UNDERFLOW] = (slot.zero_code_mask_at(record.index) & nonzero).sum() * record.weight
-                stats[UNDERFLOW_COUNTED] = nonzero.sum() * record.weight
-            stats[MEASURED] = 1
+                underflow = torch.count_nonzero(slot.zero_code_mask_at(record.index).logical_and_(nonzero))
+                underflow_counted = n_nonzero
+            else:
+                underflow = underflow_counted = _ZERO
+            stats = torch.stack([stalled, counted, underflow, underflow_counted, _ONE]).double()
+            stats *= torch.tensor([stall_weight, stall_weight, record.weight, record.weight, 1.0], dtype=torch.float64)
             record.totals += stats
             record.last_step = stats[:2]
             record.prev = None
