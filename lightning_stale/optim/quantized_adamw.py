@@ -38,8 +38,9 @@ MOMENTS: tuple[Moment, ...] = ("m", "v")
 _KEYS = {"m": ("exp_avg", "exp_avg_scale", "step_m"), "v": ("exp_avg_sq", "exp_avg_sq_scale", "step_v")}
 _GENERATOR_KEY = "generator_state"
 COMPILE_MIN_NUMEL = 1 << 16  # compile=None compiles the step of parameters at least this large
-# compile=None leaves these to the eager path on CPU: their rounding is a lookup in 65,536-entry tables, which Inductor
-# does not vectorize, so the eager step (index_select) was faster there (BENCHMARKS.md, optimizer step time).
+# compile=None leaves these to the eager path on CPU with nearest rounding: it is a lookup in 65,536-entry tables,
+# which Inductor does not vectorize, so the eager step (index_select) measured faster (BENCHMARKS.md, optimizer step
+# time); with stochastic rounding the eager noise hash costs more and the compiled step wins.
 TABLE_ROUNDED = frozenset({"int8_dynamic", "fp4"})
 
 
@@ -71,8 +72,8 @@ class QuantizedAdamW(torch.optim.Optimizer):
         count_stalls: count unchanged codes per parameter and moment during each step.
         compile: fuse each parameter's step with ``torch.compile`` (Inductor CPU/GPU kernels, a one-off compile of
             ~10-20 s per format pair and rounding); None compiles parameters with at least ``COMPILE_MIN_NUMEL``
-            elements when a C++ compiler is on PATH, except table-rounded formats (int8_dynamic, fp4) on CPU, whose
-            eager step is faster. Compiled and eager steps give the same codes and the same
+            elements when a C++ compiler is on PATH, except table-rounded formats (int8_dynamic, fp4) with nearest
+            rounding on CPU, whose eager step is faster. Compiled and eager steps give the same codes and the same
             stochastic-rounding stream (noise hashed from per-step keys drawn from ``seed``'s generator).
     """
 
@@ -240,7 +241,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
         m_codes, m_scale, _ = (state.get(key) for key in _KEYS["m"])
         v_codes, v_scale, _ = (state.get(key) for key in _KEYS["v"])
         formats = (self._format_in_group(group, param, "m"), self._format_in_group(group, param, "v"))
-        if self._compiles(param, formats):
+        if self._compiles(param, formats, group["rounding"]):
             # Flat views of the same storage: one symbolic size per compiled step, whatever the parameter's shape.
             # detach(): dynamo specializes the shapes of parameters, not of plain tensors.
             flat = [t if t is None or t.dim() == 1 else t.view(-1) for t in (m_codes, v_codes)]
@@ -258,12 +259,13 @@ class QuantizedAdamW(torch.optim.Optimizer):
             stalled_m, stalled_v, counted = counts
             self._stall_counts[id(param)] = {"m": (stalled_m, counted), "v": (stalled_v, counted)}
 
-    def _compiles(self, param: Tensor, formats: tuple[StateFormat, StateFormat]) -> bool:
-        """Whether ``param``'s step, with its (m, v) ``formats``, runs compiled (see the ``compile`` argument)."""
+    def _compiles(self, param: Tensor, formats: tuple[StateFormat, StateFormat], rounding: str) -> bool:
+        """Whether ``param``'s step, with its (m, v) ``formats`` and ``rounding``, runs compiled (see ``compile``)."""
         if not (param.is_contiguous() and param.grad.is_contiguous()):
             return False
         if self.compile is None:
-            table_on_cpu = param.device.type == "cpu" and any(f.name in TABLE_ROUNDED for f in formats)
+            table_on_cpu = (param.device.type == "cpu" and rounding == "nearest"
+                            and any(f.name in TABLE_ROUNDED for f in formats))
             return param.numel() >= COMPILE_MIN_NUMEL and not table_on_cpu and compiler_available()
         return self.compile
 
