@@ -13,6 +13,7 @@ decisions are reduced across ranks ("any rank").
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,7 +36,6 @@ from lightning_stale.tracker import (
     STALLED,
     UNDERFLOW,
     UNDERFLOW_COUNTED,
-    SlotRecord,
     StallTotals,
     StallTracker,
 )
@@ -122,7 +122,9 @@ class StaleStateCallback(Callback):
             if not isinstance(value, bool):
                 raise ValueError(f"`{name}` must be True or False, got {value!r}")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"`warmup_steps` must be an int >= 0 (0 disables the post-reset warm-up), got {warmup_steps!r}")
+            raise ValueError(
+                f"`warmup_steps` must be an int >= 0 (0 disables the post-reset warm-up), got {warmup_steps!r}"
+            )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"`seed` must be an int, got {seed!r}")
         self.policy = make_policy(reset, every, s0, min_interval, check_moments(moments))
@@ -422,7 +424,8 @@ class StaleStateCallback(Callback):
         if len(saved) != len(self._tracked):
             raise MisconfigurationException(
                 f"The checkpoint's StaleStateCallback state tracks {len(saved)} optimizer(s) but the model now has "
-                f"{len(self._tracked)}. Resume with the same optimizers, or drop the callback state from the checkpoint."
+                f"{len(self._tracked)}. Resume with the same optimizers, or drop the callback state from the "
+                "checkpoint."
             )
         for t, s in zip(self._tracked, saved):
             t.steps = int(s["steps"])
@@ -442,15 +445,12 @@ class StaleStateCallback(Callback):
         return name if len(self._tracked) == 1 else f"{t.tracker.prefix}/{name}"
 
     def _summary(self, t: _Tracked) -> str:
-        formats: dict[str, int] = {}
-        periods: dict[str, int] = {}
+        formats: Counter[str] = Counter()
+        periods: Counter[str] = Counter()
         for unit in t.units.values():
-            for record in unit.records.values():
-                s = record.slot
-                formats[f"{s.moment}: {s.format} (beta={s.beta})"] = formats.get(f"{s.moment}: {s.format} (beta={s.beta})", 0) + 1
+            formats.update(f"{r.slot.moment}: {r.slot.format} (beta={r.slot.beta})" for r in unit.records.values())
             if self.policy is not None:
-                label = f"{unit.period} ({unit.period_source})"
-                periods[label] = periods.get(label, 0) + 1
+                periods[f"{unit.period} ({unit.period_source})"] += 1
         lines = [f"[lightning_stale] {t.adapter.describe()} state formats: "
                  + ", ".join(f"{k} x{n}" for k, n in formats.items())]
         if periods:

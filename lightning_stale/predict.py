@@ -23,7 +23,8 @@ def slot_rho_hat(slot: Slot, index: Tensor) -> tuple[float | None, str]:
         return None, "not an EMA"
     if slot.format == "fp32":
         return None, "fp32 (no staleness)"
-    theory_name = get_format(slot.format, signed=slot.moment == "m").theory_name if slot.format in FORMAT_NAMES else None
+    known = slot.format in FORMAT_NAMES
+    theory_name = get_format(slot.format, signed=slot.moment == "m").theory_name if known else None
     if theory_name is not None:
         return theory.format_rho_hat(theory_name, slot.beta), f"{theory_name} format"
     spacing = slot.spacing()

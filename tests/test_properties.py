@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import torch
 from torch import Tensor
 from torchao.optim.adam import _AdamBase
 from torchao.optim.subclass_4bit import OptimState4bit

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fp32 is torch AdamW, bnb8bit bitsandbytes AdamW8bit, the others QuantizedAdamW with that state format; "
         "-sr: stochastic rounding; +reset: StaleStateCallback(reset='theory') (fp32+reset: periodic, every 300)",
     )
-    parser.add_argument("--out", default="stale-demo", help="output folder for logs, table and figure (default: ./stale-demo)")
+    parser.add_argument("--out", default="stale-demo",
+                        help="output folder for logs, table and figure (default: ./stale-demo)")
     parser.add_argument("--seed", type=int, default=0, help="seed for model initialization and data order (default: 0)")
     parser.add_argument(
         "--threads",

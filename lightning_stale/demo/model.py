@@ -35,7 +35,9 @@ class DecoderConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
-            raise ValueError(f"dim ({self.dim}) / n_heads ({self.n_heads}) must be an even integer for rotary positions")
+            raise ValueError(
+                f"dim ({self.dim}) / n_heads ({self.n_heads}) must be an even integer for rotary positions"
+            )
 
 
 @dataclass(frozen=True)
