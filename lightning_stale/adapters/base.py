@@ -134,6 +134,46 @@ class OptimizerAdapter(ABC):
                     yield group, p, state[p]
 
 
+class SharedStepAdapter(OptimizerAdapter):
+    """Optimizers that keep one ``step`` per parameter for both moments (torch.optim Adam, bitsandbytes, torchao).
+
+    A reset of every moment present is exact (buffers and ``step`` zeroed in place); an m-only reset zeroes m and
+    keeps ``step``; a v-only reset cannot restart v's age alone and writes the bounded restart of :mod:`.restart`.
+    Subclasses say how: :meth:`reset_all`, :meth:`reset_m`, :meth:`restart_v`.
+    """
+
+    exact_moment_reset = False
+
+    def present_moments(self) -> frozenset[Moment]:
+        """The moments this optimizer stores (one-state optimizers have only one)."""
+        return frozenset(MOMENTS)
+
+    def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
+        present = self.present_moments()
+        chosen = resolve_moments(moments) & present
+        if not chosen:
+            return
+        for group, p, state in self.stepped(params):
+            if chosen == present:
+                self.reset_all(state)
+            elif chosen == {"m"}:
+                self.reset_m(state)
+            else:
+                self.restart_v(group, p, state)
+
+    @abstractmethod
+    def reset_all(self, state: dict) -> None:
+        """Restore the fresh state of every moment and ``step``."""
+
+    @abstractmethod
+    def reset_m(self, state: dict) -> None:
+        """Zero the first moment, keep ``step``."""
+
+    @abstractmethod
+    def restart_v(self, group: dict, p: Tensor, state: dict) -> None:
+        """The bounded v-only restart."""
+
+
 def resolve_moments(moments: Sequence[Moment] | None) -> frozenset[Moment]:
     """Validate a ``moments`` argument (None = both) and return it as a set."""
     if moments is None:

@@ -12,13 +12,12 @@ v (a sum).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 
 import bitsandbytes as bnb
 import torch
 from torch import Tensor
 
-from lightning_stale.adapters.base import BlockQmapSlot, FloatSlot, Moment, OptimizerAdapter, Slot, resolve_moments
+from lightning_stale.adapters.base import BlockQmapSlot, FloatSlot, Moment, SharedStepAdapter, Slot
 from lightning_stale.adapters.restart import restarted_v, round_up_blockwise, round_up_float
 
 BLOCK = 256
@@ -36,7 +35,7 @@ LAYOUTS: dict[str, tuple[tuple[str, int | None, Moment, int | None], ...]] = {
 }
 
 
-class BitsAndBytesAdapter(OptimizerAdapter):
+class BitsAndBytesAdapter(SharedStepAdapter):
     """All ``bitsandbytes.optim`` optimizers (``Optimizer1State``/``Optimizer2State``, 8-bit, paged and 32-bit).
 
     A full reset zeroes codes, absmax, ``unorm_vec`` and sets ``step = 0``: exactly what ``init_state`` creates.
@@ -45,7 +44,6 @@ class BitsAndBytesAdapter(OptimizerAdapter):
     """
 
     family = "bitsandbytes"
-    exact_moment_reset = False
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer.optimizer_name not in LAYOUTS:
@@ -80,26 +78,21 @@ class BitsAndBytesAdapter(OptimizerAdapter):
                                  scale=scale, qmap=state[f"qmap{n}"], block_size=BLOCK)
         return FloatSlot(p, moment, beta, "fp32", name, signal=signal, extra=extra, tensor=stored)
 
-    def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
-        chosen = resolve_moments(moments)
-        present = {moment for _, _, moment, _ in self.layout}
-        chosen &= present
-        if not chosen:
-            return
-        for group, p, state in self.stepped(params):
-            if chosen == present:
-                for key in ("state1", "state2", "absmax1", "absmax2", "unorm_vec"):
-                    if key in state:
-                        state[key].zero_()
-                state["step"] = 0
-            elif chosen == {"m"}:
-                state["state1"].zero_()
-                if "absmax1" in state:
-                    state["absmax1"].zero_()
-            else:
-                self._restart_v(group, p, state)
+    def present_moments(self) -> frozenset[Moment]:
+        return frozenset(moment for _, _, moment, _ in self.layout)
 
-    def _restart_v(self, group: dict, p: Tensor, state: dict) -> None:
+    def reset_all(self, state: dict) -> None:
+        for key in ("state1", "state2", "absmax1", "absmax2", "unorm_vec"):
+            if key in state:
+                state[key].zero_()
+        state["step"] = 0
+
+    def reset_m(self, state: dict) -> None:
+        state["state1"].zero_()
+        if "absmax1" in state:
+            state["absmax1"].zero_()
+
+    def restart_v(self, group: dict, p: Tensor, state: dict) -> None:
         """Safe v-only restart for two-state kernels (see :mod:`lightning_stale.adapters.restart`)."""
         step = state["step"]
         if step == 0:

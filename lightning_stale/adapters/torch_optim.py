@@ -13,7 +13,15 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_stale.adapters.base import FLOAT_FORMATS, FloatSlot, Moment, OptimizerAdapter, Slot, resolve_moments
+from lightning_stale.adapters.base import (
+    FLOAT_FORMATS,
+    FloatSlot,
+    Moment,
+    OptimizerAdapter,
+    SharedStepAdapter,
+    Slot,
+    resolve_moments,
+)
 from lightning_stale.adapters.restart import restarted_v, round_up_float
 
 
@@ -24,7 +32,7 @@ def float_slot(param: Tensor, state: dict, key: str, moment: Moment, beta: float
                      signal="g" if moment == "m" else "g2", tensor=tensor)
 
 
-class TorchAdamAdapter(OptimizerAdapter):
+class TorchAdamAdapter(SharedStepAdapter):
     """``torch.optim.Adam`` and ``AdamW`` (all foreach/fused/capturable/amsgrad variants).
 
     One ``step`` per parameter serves both moments: a full reset is exact, an m-only reset zeroes m and keeps
@@ -32,7 +40,6 @@ class TorchAdamAdapter(OptimizerAdapter):
     """
 
     family = "torch.optim"
-    exact_moment_reset = False
 
     def slots(self) -> list[Slot]:
         out: list[Slot] = []
@@ -42,20 +49,16 @@ class TorchAdamAdapter(OptimizerAdapter):
             out.append(float_slot(p, state, "exp_avg_sq", "v", beta2))
         return out
 
-    def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
-        chosen = resolve_moments(moments)
-        for group, p, state in self.stepped(params):
-            if chosen == {"m", "v"}:
-                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    if key in state:
-                        state[key].zero_()
-                state["step"].zero_()
-            elif chosen == {"m"}:
-                state["exp_avg"].zero_()
-            else:
-                self._restart_v(group, p, state)
+    def reset_all(self, state: dict) -> None:
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if key in state:
+                state[key].zero_()
+        state["step"].zero_()
 
-    def _restart_v(self, group: dict, p: Tensor, state: dict) -> None:
+    def reset_m(self, state: dict) -> None:
+        state["exp_avg"].zero_()
+
+    def restart_v(self, group: dict, p: Tensor, state: dict) -> None:
         step = int(state["step"])
         if step == 0:
             state["exp_avg_sq"].zero_()

@@ -16,7 +16,6 @@ Layout (``optimizer.state[p]``): ``step`` (0-d float tensor), ``exp_avg`` -> m (
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 from torchao.optim.adam import _AdamBase
@@ -30,10 +29,9 @@ from lightning_stale.adapters.base import (
     BlockQmapSlot,
     FloatSlot,
     Moment,
-    OptimizerAdapter,
+    SharedStepAdapter,
     Packed4bitSlot,
     Slot,
-    resolve_moments,
 )
 from lightning_stale.adapters.restart import (
     restarted_v,
@@ -88,7 +86,7 @@ def write_rounded_up(buf: Tensor, target: Tensor) -> None:
         buf.copy_(round_up_float(target, buf.dtype).reshape(buf.shape))
 
 
-class TorchAOAdapter(OptimizerAdapter):
+class TorchAOAdapter(SharedStepAdapter):
     """``torchao.optim`` Adam8bit/AdamW8bit/Adam4bit/AdamW4bit/AdamFp8/AdamWFp8 (and ``_AdamW``).
 
     One ``step`` tensor serves both moments: a full reset (codes, scales and ``step`` zeroed in place) is exact;
@@ -96,7 +94,6 @@ class TorchAOAdapter(OptimizerAdapter):
     """
 
     family = "torchao"
-    exact_moment_reset = False
 
     def slots(self) -> list[Slot]:
         out: list[Slot] = []
@@ -105,20 +102,16 @@ class TorchAOAdapter(OptimizerAdapter):
                 out.append(buffer_slot(p, state[key], key, moment, group["betas"][beta_index]))
         return out
 
-    def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
-        chosen = resolve_moments(moments)
-        for group, p, state in self.stepped(params):
-            if chosen == {"m", "v"}:
-                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    if key in state:
-                        zero_buffer(state[key])
-                state["step"].zero_()
-            elif chosen == {"m"}:
-                zero_buffer(state["exp_avg"])
-            else:
-                self._restart_v(group, p, state)
+    def reset_all(self, state: dict) -> None:
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if key in state:
+                zero_buffer(state[key])
+        state["step"].zero_()
 
-    def _restart_v(self, group: dict, p: Tensor, state: dict) -> None:
+    def reset_m(self, state: dict) -> None:
+        zero_buffer(state["exp_avg"])
+
+    def restart_v(self, group: dict, p: Tensor, state: dict) -> None:
         step = int(state["step"])
         if step == 0:
             zero_buffer(state["exp_avg_sq"])
