@@ -239,7 +239,7 @@ class StaleStateCallback(Callback):
         # GradScaler hands a fused/AMP-aware optimizer its verdict as the attribute ``found_inf`` during step()
         found_inf = getattr(optimizer, "found_inf", None)
         if found_inf is not None and bool(found_inf):
-            t.tracker.before_step(False)  # fused optimizer skipped internally: forget the snapshot, count nothing
+            t.tracker.discard()  # the fused optimizer skipped internally: count nothing
             return
         t.steps += 1
         if t.warming:

@@ -49,14 +49,16 @@ class SlotRecord:
     predicted_sum: float = 0.0  # sum over measured steps of the theory's stall prediction (filled by the callback)
     predicted_n: int = 0
 
+    def __post_init__(self) -> None:
+        # Elements each sampled element stands for, so that aggregates over slots are weighted by slot size; the
+        # per-column factors of one step's stats when stalls come from the sample or from a full count.
+        w = self.numel / max(1, self.index.numel())
+        self.sampled_weights = torch.tensor([w, w, w, w, 1.0], dtype=torch.float64)
+        self.counted_weights = torch.tensor([1.0, 1.0, w, w, 1.0], dtype=torch.float64)
+
     @property
     def moment(self) -> str:
         return self.slot.moment
-
-    @property
-    def weight(self) -> float:
-        """Elements each sampled element stands for, so that aggregates over slots are weighted by slot size."""
-        return self.numel / max(1, self.index.numel())
 
     def resync_shadow(self) -> None:
         """Restart the shadow EMA from the stored value (exactly zero right after a full reset)."""
@@ -142,8 +144,7 @@ class StallTracker:
     def rebind(self) -> None:
         """Forget slot objects (optimizer state was reloaded or replaced); histories are kept by key."""
         self._n_state = -1
-        for record in self.records.values():
-            record.prev = None
+        self.discard()
 
     # -- the step --------------------------------------------------------------------------------------------------
     def before_step(self, measure: bool) -> None:
@@ -156,6 +157,11 @@ class StallTracker:
                 record.prev = record.slot.codes().reshape(-1).clone()
             else:
                 record.prev = record.slot.codes_at(record.index)
+
+    def discard(self) -> None:
+        """Drop the snapshot of a step that did not happen (skipped inside a fused optimizer)."""
+        for record in self.records.values():
+            record.prev = None
 
     def after_step(self, measure: bool, builtin: dict | None) -> list[SlotRecord]:
         """Update shadows with this step's gradients and, on measured steps, count stalls and underflow.
@@ -186,9 +192,9 @@ class StallTracker:
             if record.prev is None:
                 continue
             counts = builtin.get((id(slot.param), slot.moment)) if builtin and not _is_split(slot) else None
+            weights = record.counted_weights
             if counts is not None:
                 stalled, counted = counts
-                stall_weight = 1.0
             elif record.exact:
                 full = slot.param.grad.reshape(-1) if slot.param.grad.numel() == slot.numel else None
                 if full is not None and id(slot.param) not in grad_masks:  # one pass per parameter, not per moment
@@ -200,17 +206,16 @@ class StallTracker:
                     unchanged.logical_and_(mask)
                 else:
                     counted = torch.tensor(unchanged.numel())
-                stalled, stall_weight = torch.count_nonzero(unchanged), 1.0
+                stalled = torch.count_nonzero(unchanged)
             else:
                 stalled = torch.count_nonzero((slot.codes_at(record.index) == record.prev).logical_and_(nonzero))
-                counted, stall_weight = n_nonzero, record.weight
+                counted, weights = n_nonzero, record.sampled_weights
             if slot.moment == "v":
                 underflow = torch.count_nonzero(slot.zero_code_mask_at(record.index).logical_and_(nonzero))
                 underflow_counted = n_nonzero
             else:
                 underflow = underflow_counted = _ZERO
-            stats = torch.stack([stalled, counted, underflow, underflow_counted, _ONE]).double()
-            stats *= torch.tensor([stall_weight, stall_weight, record.weight, record.weight, 1.0], dtype=torch.float64)
+            stats = torch.stack([stalled, counted, underflow, underflow_counted, _ONE]).double().mul_(weights)
             record.totals += stats
             record.last_step = stats[:2]
             record.prev = None
