@@ -1,24 +1,24 @@
-"""StaleStateCallback overhead: training-step time and extra memory, with and without the callback.
+"""StaleStateCallback overhead at realistic tensor counts: step time and resident memory, side by side in one run.
 
-A ~4.2M-parameter MLP trains in real Lightning Trainers on CPU (random regression, batch 64). Per round, every
-configuration (no callback, default sample mode, exact mode, ``track_every=10``, the underflow guard) runs once, in
-a rotating order, for each optimizer (after one discarded warm-up run of each); a run's step time is the median over its steps after a warm-up (batch start to batch end, so
-the callback's step hooks and its logging, every 10 steps, are inside), as wall time and as process CPU time (less sensitive to other
-load on a shared machine). The reported ratios are medians over rounds of (run / no-callback run of the same round).
-Because A/B ratios of a few percent drown in the noise of a busy machine, the time spent inside the callback's own hooks
-is also measured directly (mean per step, so the logging steps count) and divided by the no-callback median step time
-of the same round.
+Models are residual stacks of ``LayerNorm -> Linear`` blocks (4 parameter tensors per block) sized to about the same
+total (~3M parameters) at 16, 128, 512 and 1024 tensors. Each configuration trains in a real Lightning Trainer
+(``log_every_n_steps=50``, the default, so the logging step is inside the timing) with bitsandbytes AdamW8bit, torch
+AdamW and ``QuantizedAdamW(int8_dynamic)``, with no callback, the default callback, ``track="exact"`` and
+``reset="theory"``. Runs alternate within each round (the order rotates), a run's step time is the lower quartile of
+its step times after a warm-up (batch start to batch end: forward, backward, optimizer step with the callback's hooks,
+logging), and a ratio is the median over rounds of (run / no-callback run of the same round).
 
-Extra memory counts the callback's own tensors (sample indices, shadow EMAs, and the code snapshot held during a
-measured step) against the optimizer's state bytes, for the timed model and for a larger one (memory only). Run:
+Memory: the engine's resident bytes (device tensors kept between steps, plus host arrays) against the optimizer's
+state bytes, for the timed models and for ~12M-parameter models (memory only). Run:
 
-    .venv/bin/python benchmarks/overhead.py --rounds 5 --steps 30 --threads 2
+    .venv/bin/python benchmarks/overhead.py --rounds 3 --steps 60 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import statistics
 import tempfile
 import time
@@ -32,92 +32,70 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_stale import StaleStateCallback
 from lightning_stale.optim import QuantizedAdamW
 
-SIZES = [1024, 1024, 1024, 1024, 1024]  # four 1024x1024 layers: 4.2M parameters
-LOG_EVERY = 10  # the callback logs every 10 steps (Lightning's default is 50): its logging cost is inside the timing
-CONFIGS: dict[str, dict | None] = {
+TENSOR_COUNTS = (16, 128, 512, 1024)
+TOTAL_PARAMS = 3_000_000
+MODES: dict[str, dict | None] = {
     "no callback": None,
-    "default (sample 4096)": {},
+    "default": {},
     "exact": {"track": "exact"},
-    "track_every=10": {"track_every": 10},
-    "underflow_guard": {"underflow_guard": True},
+    "theory": {"reset": "theory"},
 }
+BATCH = 32
 
 
-def optimizers() -> dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]]:
+def optimizers(device: str) -> dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]]:
     import bitsandbytes as bnb
 
     return {
         "bnb AdamW8bit": lambda p: bnb.optim.AdamW8bit(p, lr=1e-3),
-        "QuantizedAdamW int8_dynamic": lambda p: QuantizedAdamW(p, lr=1e-3, state_format="int8_dynamic"),
+        "torch AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True),
+        "QuantizedAdamW int8": lambda p: QuantizedAdamW(p, lr=1e-3, state_format="int8_dynamic"),
     }
 
 
-class MLP(L.LightningModule):
-    def __init__(self, make_optimizer: Callable, batches: int, sizes: list[int] = SIZES) -> None:
+class Residual(L.LightningModule):
+    """``tensors / 4`` blocks ``x + Linear(LayerNorm(x))`` of width chosen so the model holds ~``total`` parameters."""
+
+    def __init__(self, tensors: int, make_optimizer: Callable, batches: int, total: int = TOTAL_PARAMS) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.sizes = sizes
-        layers: list[nn.Module] = []
-        for a, b in zip(sizes, sizes[1:]):
-            layers += [nn.Linear(a, b), nn.ReLU()]
-        self.net = nn.Sequential(*layers[:-1])
+        blocks = tensors // 4
+        self.width = max(8, round(math.sqrt(total / blocks)))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(self.width), nn.Linear(self.width, self.width)) for _ in range(blocks))
         self.make_optimizer = make_optimizer
         self.batches = batches
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        return nn.functional.mse_loss(self(x), y)
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(64 * self.batches, self.sizes[0], generator=g)
-        y = torch.randn(64 * self.batches, self.sizes[-1], generator=g)
-        return DataLoader(TensorDataset(x, y), batch_size=64)
+        x = torch.randn(BATCH * self.batches, self.width, generator=g)
+        return DataLoader(TensorDataset(x, torch.randn(x.shape, generator=g)), batch_size=BATCH)
 
     def configure_optimizers(self):
         return self.make_optimizer(list(self.parameters()))
 
 
 class StepTimer(L.Callback):
-    """Wall and CPU time from batch start to batch end (forward, backward, optimizer step, every callback's batch
-    end)."""
+    """Wall time from batch start to batch end (forward, backward, optimizer step, every callback's batch end)."""
 
     def __init__(self) -> None:
         self.wall: list[float] = []
-        self.cpu: list[float] = []
-        self._start = (0.0, 0.0)
+        self._start = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = (time.perf_counter(), time.process_time())
+        self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.wall.append(time.perf_counter() - self._start[0])
-        self.cpu.append(time.process_time() - self._start[1])
-
-
-class TimedStaleStateCallback(StaleStateCallback):
-    """The callback with a stopwatch around its per-step work (step hooks and batch-end logging)."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.seconds: list[float] = []  # per batch
-
-    def _timed(self, method, *args):
-        start = time.perf_counter()
-        method(*args)
-        self.seconds[-1] += time.perf_counter() - start
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.seconds.append(0.0)
-
-    def _before_step(self, *args):
-        self._timed(super()._before_step, *args)
-
-    def _after_step(self, *args):
-        self._timed(super()._after_step, *args)
-
-    def on_train_batch_end(self, *args):
-        self._timed(super().on_train_batch_end, *args)
+        self.wall.append(time.perf_counter() - self._start)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -126,91 +104,81 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                inner = [getattr(value, n) for n in value.__tensor_flatten__()[0]] if hasattr(
-                    value, "__tensor_flatten__") and type(value) is not torch.Tensor else [value]
+                inner = ([getattr(value, n) for n in value.__tensor_flatten__()[0]]
+                         if hasattr(value, "__tensor_flatten__") and type(value) is not torch.Tensor else [value])
                 for t in inner:
                     seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
-def callback_bytes(callback: StaleStateCallback) -> tuple[int, int]:
-    """(resident bytes kept between steps, bytes of the code snapshot held during a measured step)."""
-    kept: dict[int, int] = {}  # by data pointer: the moments of a parameter share their sample index
-    snapshot = 0
-    for tracked in callback._tracked:
-        for record in tracked.tracker.records.values():
-            for t in (record.index, record.shadow, record.totals, record.last_step):
-                if t is not None:
-                    kept[t.data_ptr()] = t.numel() * t.element_size()
-            codes = record.slot.codes()
-            snapshot += (codes.numel() if record.exact else record.index.numel()) * codes.element_size()
-    return sum(kept.values()), snapshot
+def lower_quartile(values: list[float]) -> float:
+    return statistics.quantiles(values, n=4)[0]
 
 
-def run(make_optimizer: Callable, config: dict | None, steps: int, warmup: int, root: str,
-        sizes: list[int] = SIZES) -> dict:
-    """One fit; medians over the steps after ``warmup`` and the memory counts at the end."""
+def run(tensors: int, make: Callable, config: dict | None, steps: int, warmup: int, root: str, device: str,
+        total: int = TOTAL_PARAMS) -> dict:
     timer = StepTimer()
-    callback = None if config is None else TimedStaleStateCallback(**config)
+    callback = None if config is None else StaleStateCallback(**config)
     trainer = L.Trainer(max_steps=steps, default_root_dir=root, logger=L.pytorch.loggers.CSVLogger(root),
-                        log_every_n_steps=LOG_EVERY,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        accelerator="cpu", callbacks=[c for c in (callback, timer) if c is not None])
-    trainer.fit(MLP(make_optimizer, steps, sizes))  # the timer last: it sees the callback's batch end
-    return {
-        "wall": statistics.median(timer.wall[warmup:]),
-        "cpu": statistics.median(timer.cpu[warmup:]),
-        "inside": statistics.mean(callback.seconds[warmup:]) if callback else 0.0,  # mean: logging steps count
-        "memory": callback_bytes(callback) if callback else (0, 0),
-        "state": state_bytes(trainer.optimizers[0]),
-    }
+                        log_every_n_steps=50, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator=device, devices=1,
+                        callbacks=[c for c in (callback, timer) if c is not None])
+    model = Residual(tensors, make, steps, total)
+    trainer.fit(model)
+    resident = callback.monitor.resident_bytes() if callback is not None else 0
+    return {"step": lower_quartile(timer.wall[warmup:]) if steps > warmup + 4 else math.nan,
+            "resident": resident, "state": state_bytes(trainer.optimizers[0]),
+            "params": sum(p.numel() for p in model.parameters()), "tensors": len(list(model.parameters()))}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--memory-sizes", type=int, nargs="+", default=[4096] * 4,
-                        help="layer widths of the larger model measured for memory only")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tensors", type=int, nargs="+", default=list(TENSOR_COUNTS))
+    parser.add_argument("--optimizers", nargs="+", default=None, help="names from the table (default: all)")
+    parser.add_argument("--memory-params", type=int, default=12_000_000,
+                        help="total parameters of the memory-only models")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    print(f"model: MLP {SIZES} ({n_params(SIZES) / 1e6:.2f}M parameters), batch 64, {args.steps} steps per run "
-          f"({args.warmup} warm-up), {args.rounds} rounds, {args.threads} threads, torch {torch.__version__}")
+    all_optimizers = optimizers(args.device)
+    chosen = {k: v for k, v in all_optimizers.items() if args.optimizers is None or k in args.optimizers}
+    print(f"torch {torch.__version__}, device {args.device}, {args.threads} thread(s), batch {BATCH}, "
+          f"{args.steps} steps per run ({args.warmup} warm-up), {args.rounds} rounds, log_every_n_steps=50")
+    print("\n| optimizer | tensors | params | no-callback step (ms) | default | exact | theory | resident / state |")
+    print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as root:
-        for opt_name, make in optimizers().items():
-            for config in CONFIGS.values():  # discarded: first-run allocation and library start-up costs
-                run(make, config, args.warmup + 2, args.warmup, root)
-            results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
-            names = list(CONFIGS)
-            for r in range(args.rounds):
-                for config_name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order each round
-                    results[config_name].append(run(make, CONFIGS[config_name], args.steps, args.warmup, root))
-            state = results["no callback"][0]["state"]
-            print(f"\n{opt_name}: optimizer state {state / 2**20:.2f} MiB")
-            print("| configuration | step, wall (ms) | wall ratio | CPU-time ratio | inside the callback (ms/step, % "
-                  "of step) | extra memory: resident | + snapshot during a step |")
-            print("|---|---|---|---|---|---|---|")
-            base = results["no callback"]
-            for config_name, runs in results.items():
-                wall = statistics.median(r["wall"] / b["wall"] for r, b in zip(runs, base))
-                cpu = statistics.median(r["cpu"] / b["cpu"] for r, b in zip(runs, base))
-                inside = statistics.median(r["inside"] / b["wall"] for r, b in zip(runs, base))
-                resident, snapshot = runs[-1]["memory"]
-                print(f"| {config_name} | {1e3 * statistics.median(r['wall'] for r in runs):.1f} | {wall:.3f}x | "
-                      f"{cpu:.3f}x | {1e3 * statistics.median(r['inside'] for r in runs):.1f} ({100 * inside:.1f}%) | "
-                      f"{100 * resident / state:.2f}% | {100 * (resident + snapshot) / state:.2f}% |")
-            big = run(make, {}, 2, 0, root, args.memory_sizes)
-            resident, snapshot = big["memory"]
-            print(f"memory at {n_params(args.memory_sizes) / 1e6:.1f}M parameters (MLP {args.memory_sizes}), default "
-                  f"mode: resident {100 * resident / big['state']:.2f}%, with the step's snapshot "
-                  f"{100 * (resident + snapshot) / big['state']:.2f}% of {big['state'] / 2**20:.1f} MiB state")
-
-
-def n_params(sizes: list[int]) -> int:
-    return sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+        for opt_name, make in chosen.items():
+            for tensors in args.tensors:
+                for config in MODES.values():  # discarded: first-run allocation and library start-up costs
+                    run(tensors, make, config, args.warmup + 6, args.warmup, root, args.device)
+                results: dict[str, list[dict]] = {m: [] for m in MODES}
+                names = list(MODES)
+                for r in range(args.rounds):
+                    for mode in names[r % len(names):] + names[:r % len(names)]:
+                        results[mode].append(run(tensors, make, MODES[mode], args.steps, args.warmup, root,
+                                                 args.device))
+                base = results["no callback"]
+                ratios = {m: statistics.median(x["step"] / b["step"] for x, b in zip(results[m], base))
+                          for m in names[1:]}
+                default = results["default"][-1]
+                print(f"| {opt_name} | {default['tensors']} | {default['params'] / 1e6:.2f}M | "
+                      f"{1e3 * statistics.median(b['step'] for b in base):.1f} | "
+                      + " | ".join(f"{ratios[m]:.3f}x" for m in names[1:])
+                      + f" | {100 * default['resident'] / default['state']:.2f}% "
+                      f"({default['resident'] / 1024:.0f} KiB) |", flush=True)
+        print(f"\nResident memory at ~{args.memory_params / 1e6:.0f}M parameters (default mode, memory only):")
+        print("| optimizer | tensors | state (MiB) | resident (KiB) | resident / state |")
+        print("|---|---|---|---|---|")
+        for opt_name, make in chosen.items():
+            for tensors in (args.tensors[0], args.tensors[-1]):
+                big = run(tensors, make, {}, 3, 0, root, args.device, args.memory_params)
+                print(f"| {opt_name} | {big['tensors']} | {big['state'] / 2**20:.1f} | {big['resident'] / 1024:.0f} | "
+                      f"{100 * big['resident'] / big['state']:.2f}% |", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,39 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+import numpy as np
+
+from lightning_stale import predict
 from lightning_stale.adapters.base import MOMENTS, Moment
+from lightning_stale.schedule import NO_PERIOD, ResetSchedule, ResetUnit
 from lightning_stale.theory import statistical_error
-
-if TYPE_CHECKING:
-    from lightning_stale.tracker import SlotRecord
-
-
-@dataclass(eq=False)
-class ResetUnit:
-    """Everything a policy may look at for one parameter."""
-
-    key: str
-    records: dict[str, SlotRecord]
-    age: int = 0
-    measured: int = 0
-    accumulator: float = 0.0
-    period: int | None = None
-    resets: int = 0
-    period_source: str = ""
-    last_reset_step: int = -1
-    warmup_left: int = 0  # post-reset update warm-up steps still to apply (see StaleStateCallback.warmup_steps)
-
-    @property
-    def param(self):  # noqa: ANN201 - a torch Parameter
-        return next(iter(self.records.values())).slot.param
-
-    def driver(self) -> SlotRecord | None:
-        """The slot whose staleness drives the decision: the second moment when there is one, else the first."""
-        by_moment = {r.moment: r for r in self.records.values()}
-        return by_moment.get("v") or by_moment.get("m")
 
 
 def check_moments(moments: Sequence[str]) -> tuple[Moment, ...]:
@@ -79,6 +53,11 @@ class ResetPolicy:
         count), which is the ``unit.age``-th step since the unit's last reset."""
         raise NotImplementedError
 
+    def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
+        """:meth:`should_reset` for every parameter of ``schedule`` as a bool array. Built-in policies override it
+        with array comparisons (no Python loop per parameter per step); a custom policy need not."""
+        return np.fromiter((self.should_reset(u, step) for u in schedule.units), dtype=bool, count=len(schedule.units))
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({args})"
@@ -101,16 +80,17 @@ class PeriodicReset(ResetPolicy):
     def should_reset(self, unit: ResetUnit, step: int) -> bool:
         return unit.age >= self.every
 
-
-THEORY_SAMPLE_SIZE = 4096  # elements of a slot the grid estimate of K* looks at
+    def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
+        return schedule.ages >= self.every
 
 
 class TheoryReset(ResetPolicy):
     """Reset at the theory-guided period K* (paper Prop. 5.2) of each parameter's driver slot.
 
     K* comes from the slot's float format and beta, or, for grids that are not float formats (8-bit dynamic maps,
-    foreign layouts), from the generalized grid estimate on the stored values. Slots for which the theory predicts
-    no staleness worth a reset (fp32, or rho-hat < 1) are never reset.
+    foreign layouts), from the generalized grid estimate on the stored values (made once the state holds data, from a
+    rank-independent sample, so every rank agrees). Slots for which the theory predicts no staleness worth a reset
+    (fp32, or rho-hat < 1) are never reset.
     """
 
     needs_sync = False
@@ -120,18 +100,16 @@ class TheoryReset(ResetPolicy):
         self.s0 = _check_s0(s0)
 
     def configure(self, unit: ResetUnit) -> None:
-        from lightning_stale import predict
-        from lightning_stale.tracker import sample_index
-
         driver = unit.driver()
-        if driver is not None:
-            # A fixed sample, not the callback's seeded one: theory resets are not reduced across ranks, so the grid
-            # estimate must not depend on a per-rank seed.
-            index = sample_index(driver.key, driver.slot.numel, THEORY_SAMPLE_SIZE, seed=0)
-            unit.period, unit.period_source = predict.reset_period_for(driver.slot, index, self.s0)
+        unit.period, reason = predict.reset_period(unit.rho, None if driver is None else driver.beta, self.s0)
+        unit.period_source = reason or "theory"
 
     def should_reset(self, unit: ResetUnit, step: int) -> bool:
         return unit.period is not None and unit.age >= unit.period
+
+    def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
+        periods = schedule.arrays["period"]
+        return (periods != NO_PERIOD) & (schedule.ages >= periods)
 
 
 class AdaptiveReset(ResetPolicy):
@@ -160,9 +138,18 @@ class AdaptiveReset(ResetPolicy):
 
     def should_reset(self, unit: ResetUnit, step: int) -> bool:
         driver = unit.driver()
-        if driver is None or driver.slot.beta is None or unit.age < self.min_interval or unit.measured == 0:
+        if driver is None or driver.beta is None or unit.age < self.min_interval or unit.measured == 0:
             return False
-        return unit.accumulator / unit.measured >= float(statistical_error(unit.age, driver.slot.beta))
+        return unit.accumulator / unit.measured >= float(statistical_error(unit.age, driver.beta))
+
+    def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
+        ages, measured = schedule.ages, schedule.arrays["measured"]
+        ready = (ages >= self.min_interval) & (measured > 0) & ~np.isnan(schedule.betas)
+        if not ready.any():
+            return ready
+        betas = np.where(ready, schedule.betas, 0.5)
+        error = 2.0 * betas**ages / (1.0 + betas**ages)  # statistical_error, for every parameter at once
+        return ready & (schedule.arrays["accumulator"] / np.maximum(measured, 1) >= error)
 
 
 POLICY_NAMES = ("periodic", "theory", "adaptive")

@@ -1,68 +1,94 @@
-"""Theory predictions for one slot: its effective rho-hat, predicted stall after j steps and reset period K*.
+"""Theory predictions for slots: rho-hat, the stall build-up curve after a reset and the reset period K*.
 
-Float formats (bf16, fp16, fp8, fp4) use the paper's closed form from the format's precision; other grids (the 8-bit
-dynamic map of bitsandbytes/torchao, foreign layouts) use the generalized estimate on the slot's stored values and
-local spacing (:func:`lightning_stale.theory.estimate_grid`, our extension of the paper).
+Float formats (bf16, fp16, fp8, fp4) take the paper's closed form from the format's precision; other grids (the 8-bit
+dynamic map of bitsandbytes/torchao, foreign layouts) take the generalized estimate on a sample of the slot's stored
+values and local spacing (:func:`lightning_stale.theory.estimate_grid`, our extension of the paper). Estimated
+rho-hats are rounded to a 1% bucket so that slots share their curves and periods: a model with a thousand 8-bit
+tensors builds a few dozen curves once, and the step path only indexes them.
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import numpy as np
-from torch import Tensor
 
 from lightning_stale import theory
-from lightning_stale.adapters.base import Slot, gather
+from lightning_stale.adapters.base import Slot
 from lightning_stale.formats import FORMAT_NAMES, get_format
+from lightning_stale.sampling import choose_sample
+
+ESTIMATE_SAMPLE_SIZE = 4096  # stored values a grid estimate looks at
+ESTIMATE_SEED = 0  # rank-independent: theory periods are not reduced across ranks, so every rank must agree
+RHO_BUCKET = 0.01  # relative width of the rho-hat buckets of grid estimates
+MAX_CURVE = 200_000  # build-up curves stop here (20 EMA horizons of b2 = 0.9999)
 
 
-def slot_rho_hat(slot: Slot, index: Tensor) -> tuple[float | None, str]:
-    """(rho-hat, where it came from) for a slot; rho-hat is None when the theory does not apply."""
+def closed_form_rho(slot: Slot) -> tuple[float | None, str, bool]:
+    """(rho-hat, where it came from, whether a grid estimate is needed instead) for a slot, without reading it."""
     if slot.beta is None:
-        return None, "not an EMA"
+        return None, "not an EMA", False
     if slot.format == "fp32":
-        return None, "fp32 (no staleness)"
-    known = slot.format in FORMAT_NAMES
-    theory_name = get_format(slot.format, signed=slot.moment == "m").theory_name if known else None
+        return None, "fp32 (no staleness)", False
+    theory_name = get_format(slot.format, signed=slot.moment == "m").theory_name if slot.format in FORMAT_NAMES else None
     if theory_name is not None:
-        return theory.format_rho_hat(theory_name, slot.beta), f"{theory_name} format"
-    spacing = slot.spacing()
-    if spacing is None or index.numel() == 0:
-        return None, f"unknown grid ({slot.format})"
-    estimate = theory.estimate_grid(slot.value_at(index).float(), gather(spacing, index).float(), slot.beta)
-    if estimate.n == 0:
-        return None, f"grid estimate ({slot.format}): no non-zero values yet"
-    return estimate.rho_hat, f"grid estimate ({slot.format})"
+        return theory.format_rho_hat(theory_name, slot.beta), f"{theory_name} format", False
+    return None, f"grid estimate ({slot.format})", True
 
 
-def reset_period_for(slot: Slot, index: Tensor, s0: float) -> tuple[int | None, str]:
-    """The theory-guided reset period K* of a slot, or None (with the reason) when no reset is warranted.
+def estimate_rho(slot: Slot, key: str) -> float | None:
+    """The generalized grid estimate of a slot's rho-hat, bucketed; None while the slot holds no non-zero finite
+    value with a known spacing yet (a zero-initialised LoRA factor, a dead first batch): try again later.
 
-    The paper's crossing rule (Eq. 53) is derived for rho-hat >= 1, where most updates stall at steady state; below
-    that the state keeps moving and we do not reset (K* is defined relative to the steady state, so it would stay
-    finite even for an almost never stalling state).
+    Reads a rank-independent sample of the stored values to the host (one synchronisation, once per slot).
     """
-    rho, source = slot_rho_hat(slot, index)
-    if rho is None:
-        return None, source
-    if rho < 1.0:
-        return None, f"{source}, rho-hat {rho:.2f} < 1: state keeps moving, no reset"
-    period = theory.reset_period(rho, slot.beta, s0)
-    return period, source if period is not None else f"{source}, rho-hat {rho:.2f}: no crossing"
+    if slot.beta is None:
+        return None
+    sample = choose_sample(key, slot.param.shape, ESTIMATE_SAMPLE_SIZE, ESTIMATE_SEED)
+    if sample.count == 0:
+        return None
+    index = sample.positions(slot.param.device)
+    spacing = slot.spacing_at(index)
+    if spacing is None:
+        return None
+    r = theory.relative_spacing(slot.value_at(index), spacing)
+    if r.size == 0:
+        return None
+    rho = theory.rho_from_relative_spacing(1.0 / float(np.mean(1.0 / r)), slot.beta)
+    return bucket(rho)
 
 
-@lru_cache(maxsize=64)
-def _build_up_curve(rho: float, beta: float) -> np.ndarray:
-    """P_stall(j) for j = 0 .. ~20 EMA horizons (after that the curve is flat at its steady state)."""
-    horizon = min(int(20 / (1.0 - beta)) + 1, 200_000)
+def bucket(rho: float) -> float:
+    """``rho`` rounded to the nearest point of a geometric grid of ratio ``1 + RHO_BUCKET``."""
+    step = math.log1p(RHO_BUCKET)
+    return float(math.exp(round(math.log(rho) / step) * step))
+
+
+@lru_cache(maxsize=None)
+def build_up_curve(rho: float, beta: float) -> np.ndarray:
+    """P_stall(j) for j = 0 .. ~20 EMA horizons (paper Eq. 39; flat at its steady state after that)."""
+    horizon = min(int(20 / (1.0 - beta)) + 1, MAX_CURVE)
     return theory.stall_probability_after(np.arange(horizon), rho, beta)
 
 
-def predicted_stall(rho: float | None, beta: float | None, updates: int) -> float | None:
-    """Predicted stall probability of an update applied to a state that holds ``updates`` updates since its zero
-    start or last reset (paper Eq. 39; 0 for the first update after a reset). Cached: cheap enough per step."""
+@lru_cache(maxsize=None)
+def reset_period(rho: float | None, beta: float | None, s0: float) -> tuple[int | None, str]:
+    """K* for a slot's rho-hat and beta, or None with the reason when no reset is warranted.
+
+    The paper's crossing rule (Eq. 53) is derived for rho-hat >= 1, where most updates stall at steady state; below
+    that the state keeps moving and we do not reset (K* is relative to the steady state, so it would stay finite
+    even for an almost never stalling state).
+    """
     if rho is None or beta is None:
-        return None
-    curve = _build_up_curve(rho, beta)
-    return float(curve[min(updates, len(curve) - 1)])
+        return None, "no theory"
+    if rho < 1.0:
+        return None, f"rho-hat {rho:.2f} < 1: state keeps moving, no reset"
+    period = theory.reset_period(rho, beta, s0)
+    return period, "" if period is not None else f"rho-hat {rho:.2f}: no crossing"
+
+
+def predicted_stall(curve: np.ndarray, updates: np.ndarray) -> np.ndarray:
+    """Predicted stall probability of an update applied to states holding ``updates`` updates since their zero start
+    or last reset (0 for the first update after a reset)."""
+    return curve[np.minimum(updates, len(curve) - 1)]

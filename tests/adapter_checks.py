@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from lightning_stale.adapters import adapter_for
 from lightning_stale.adapters.base import OptimizerAdapter
+from lightning_stale.sampling import choose_sample
 
 MakeOpt = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -75,9 +76,25 @@ def check_slot_reads(adapter: OptimizerAdapter) -> None:
         assert torch.equal(slot.codes_at(index), slot.codes().reshape(-1)[index]), slot.key
         assert torch.equal(slot.value_at(index), slot.value()[index]), slot.key
         assert slot.value().dtype == torch.float32
-        assert torch.equal(slot.zero_code_mask_at(index), slot.value()[index] == 0)
+        spacing = slot.spacing()
+        if spacing is not None:
+            assert torch.equal(slot.spacing_at(index), spacing.reshape(-1)[index]), slot.key
+        check_sampled_codes(slot)
         if hasattr(slot, "qmap"):
             check_map_spacing(slot, index)
+
+
+def check_sampled_codes(slot) -> None:
+    """The engine's strided sample reads the same codes as the full reader, and the zero code stores zero."""
+    sample = choose_sample("check", slot.param.shape, 37, seed=0, pairs=slot.packed)
+    codes = slot.sampled_codes(sample)
+    if slot.packed:
+        codes = torch.stack([codes >> 4, codes & 15], dim=1).reshape(-1)
+    positions = sample.positions()
+    assert torch.equal(codes, slot.codes().reshape(-1)[positions]), slot.key
+    zero = slot.zero_code()
+    if zero is not None:
+        assert bool((slot.value()[positions][codes == zero] == 0).all()), slot.key
 
 
 def check_map_spacing(slot, index: Tensor) -> None:

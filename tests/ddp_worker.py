@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stale import StaleStateCallback
+from lightning_stale.metrics import MOMENTS, PER_MOMENT
 from lightning_stale.policies import AdaptiveReset
-from lightning_stale.tracker import StallTotals
 
 
 class TwoOptimizers(L.LightningModule):
@@ -86,16 +86,17 @@ def state_hashes(optimizer: torch.optim.Optimizer) -> dict[str, str]:
     return out
 
 
-class RecordingTotals(StallTotals):
-    """The callback's cross-rank totals metric, also remembering this rank's local contribution at each log step."""
+class RecordingCallback(StaleStateCallback):
+    """The callback, also remembering this rank's local (unreduced) metric vector at each log step."""
 
-    def __init__(self, n: int) -> None:
-        super().__init__(n)
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
         self.local: list[list[float]] = []
 
-    def update(self, values: torch.Tensor) -> None:
-        self.local.append(values.tolist())
-        super().update(values)
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() == len(MOMENTS) * PER_MOMENT:  # the metric vector (the adaptive policy's votes too)
+            self.local.append(tensor.tolist())
+        return super().reduce_sum(tensor)
 
 
 def main(out: Path, reset: str, steps: int) -> None:
@@ -104,18 +105,17 @@ def main(out: Path, reset: str, steps: int) -> None:
         # Per-rank staleness tolerance on top of per-rank samples: left alone, rank 1 would hardly ever reset.
         # b2 = 0.8 keeps the EMA's statistical error small, so resets come within a few dozen steps.
         policy = AdaptiveReset(s0=0.02 if rank == 0 else 0.5, min_interval=3)
-        callback = StaleStateCallback(reset=policy, sample_size=512, seed=rank)
+        callback = RecordingCallback(reset=policy, sample_size=512, seed=rank)
         model = TwoOptimizers(beta2=0.8)
     else:
         # Theory resets need rho-hat >= 1: b2 = 0.985 gives K* of 70-90 steps for fp8 and the 8-bit map.
-        callback = StaleStateCallback(reset=reset, sample_size=512, seed=rank)
+        callback = RecordingCallback(reset=reset, sample_size=512, seed=rank)
         model = TwoOptimizers(beta2=0.985)
-    callback._totals = RecordingTotals(callback._totals.totals.numel())
     resets: list[dict] = []
 
     def on_reset(optimizer: torch.optim.Optimizer, slots: list) -> None:
-        index = [id(o) for o in callback._trainer.optimizers].index(id(optimizer))
-        resets.append({"step": callback._trainer.global_step, "optimizer": index, "state": state_hashes(optimizer)})
+        index = [id(o) for o in trainer.optimizers].index(id(optimizer))
+        resets.append({"step": trainer.global_step, "optimizer": index, "state": state_hashes(optimizer)})
 
     callback.add_reset_listener(on_reset)
     trainer = L.Trainer(
@@ -132,7 +132,7 @@ def main(out: Path, reset: str, steps: int) -> None:
         "periods": callback.reset_periods(),
         "final_state": [state_hashes(opt) for opt in trainer.optimizers],
         "final_params": {n: tensor_hash(p) for n, p in model.named_parameters()},
-        "local_totals": callback._totals.local,
+        "local_totals": callback.local,
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -59,7 +59,7 @@ def test_lightning_cli_builds_the_callback_from_yaml(tmp_path):
     cli = LightningCLI(BoringModel, run=False, args=["--config", str(config)], save_config_callback=None)
     (cb,) = stale_callbacks(cli.trainer)
     assert isinstance(cb.policy, PeriodicReset) and cb.policy.every == 300 and cb.policy.moments == ("v",)
-    assert cb.track == "exact"
+    assert cb.options.track == "exact"
 
 
 def test_lightning_cli_rejects_a_bad_track_value_at_parse_time(tmp_path):

@@ -249,11 +249,11 @@ def test_fitting_twice_does_not_double_register_hooks(tmp_path):
     model = CountHooks("bnb")
     model.hook_counts = []
     cb = StaleStateCallback(track="exact")
-    fit(tmp_path / "a", model, cb, steps=5)
-    assert cb._handles == []  # removed at teardown
-    fit(tmp_path / "b", model, cb, steps=5)
+    first = fit(tmp_path / "a", model, cb, steps=5).optimizers[0]
+    assert not first._optimizer_step_post_hooks and not first._optimizer_step_pre_hooks  # removed at teardown
+    second = fit(tmp_path / "b", model, cb, steps=5).optimizers[0]
     assert model.hook_counts == [1] * 10
-    assert cb._handles == []
+    assert not second._optimizer_step_post_hooks and not second._optimizer_step_pre_hooks
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,7 @@ import torch
 from ddp_worker import TwoOptimizers
 
 from lightning_stale import StaleStateCallback
-from lightning_stale.adapters.base import MOMENTS
-from lightning_stale.callback import _PER_MOMENT  # layout of the reduced totals vector, per moment
-from lightning_stale.tracker import COUNTED, STALLED
+from lightning_stale.metrics import MOMENTS, PER_MOMENT, V_COUNTED, V_STALLED  # layout of the reduced vector
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 # Optimizer steps per rank (global_step); two optimizers step once per batch, so half as many batches.
@@ -50,8 +48,8 @@ def run_worker(tmp_path: Path, reset: str) -> tuple[dict, dict, list[dict[str, s
 
 def local_counts(totals: list[float], moment: str) -> tuple[float, float]:
     """(stalled, counted) of one moment in a rank's local totals vector."""
-    base = _PER_MOMENT * MOMENTS.index(moment)
-    return totals[base + STALLED], totals[base + COUNTED]
+    base = PER_MOMENT * MOMENTS.index(moment)
+    return totals[base + V_STALLED], totals[base + V_COUNTED]
 
 
 @pytest.mark.slow

@@ -103,10 +103,9 @@ def test_skipped_steps_are_not_counted_and_shift_the_schedule(tmp_path, fused):
     assert resets == expected_resets(skipped)
     assert resets != expected_resets([])  # the shift is visible: resets moved by the skipped steps before them
 
-    tracked = callback._tracked[0]
-    assert tracked.steps == STEPS - len(skipped)  # real steps seen by the callback
+    assert callback.monitor.steps == [STEPS - len(skipped)]  # real steps seen by the callback
     since_last = STEPS - resets[-1] - sum(s > resets[-1] for s in skipped)
-    assert {u.age for u in tracked.units.values()} == {since_last}
+    assert {u.age for u in callback.monitor.units()} == {since_last}
 
     # Nothing was measured on a skipped step. The callback logs nothing then, so the CSV row of a skipped step only
     # repeats the previous row (Lightning re-emits a step metric until the epoch ends). Counted as a stall, the
@@ -125,7 +124,7 @@ def test_without_skips_the_schedule_is_unshifted(tmp_path, fused):
     callback, resets, skipped, rows, _ = fit_fp16(tmp_path, fused, ())
     assert skipped == []
     assert resets == expected_resets([]) == [4, 8, 12]
-    assert callback._tracked[0].steps == STEPS
+    assert callback.monitor.steps == [STEPS]
 
 
 def test_bf16_mixed_with_bf16_parameters_logs_stalls(tmp_path):

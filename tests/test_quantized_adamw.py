@@ -75,7 +75,8 @@ def test_state_layout_small_params_stay_fp32_and_views_are_live() -> None:
 def test_builtin_stall_counts_equal_clone_and_compare(state_format: str, rounding: str) -> None:
     model = small_model()
     opt = QuantizedAdamW(
-        model.parameters(), lr=1e-2, state_format=state_format, rounding=rounding, min_quantized_size=1000
+        model.parameters(), lr=1e-2, state_format=state_format, rounding=rounding, min_quantized_size=1000,
+        count_stalls=True,
     )
     train(model, opt, steps=3)
     g = torch.Generator().manual_seed(5)
@@ -101,9 +102,9 @@ def test_builtin_stall_counts_equal_clone_and_compare(state_format: str, roundin
     assert counts[id(model[0].weight)]["m"][1].item() == model[0].weight.numel() - 10 * 64
 
 
-def test_count_stalls_off_records_nothing() -> None:
+def test_count_stalls_off_by_default_records_nothing() -> None:
     model = small_model()
-    opt = QuantizedAdamW(model.parameters(), count_stalls=False)
+    opt = QuantizedAdamW(model.parameters())
     train(model, opt, steps=1)
     assert opt.last_stall_counts() == {}
 
@@ -112,7 +113,7 @@ def test_bf16_nearest_second_moment_stalls_as_the_paper_predicts() -> None:
     """bf16, nearest, beta2 = 0.999, Gaussian gradients: most v codes stop moving (paper: about 0.946 per step;
     measured here about 0.91 after 1,500 steps, rising to about 0.97 as the stored v ratchets up)."""
     param = torch.nn.Parameter(torch.zeros(8192))
-    opt = QuantizedAdamW([param], lr=0.0, weight_decay=0.0, state_format="bf16")
+    opt = QuantizedAdamW([param], lr=0.0, weight_decay=0.0, state_format="bf16", count_stalls=True)
     g = torch.Generator().manual_seed(0)
     fractions = []
     for _ in range(2000):
@@ -241,7 +242,8 @@ def test_compiled_step_equals_eager(state_format, rounding: str) -> None:
     runs = []
     for compile in (False, True):
         weight = torch.nn.Parameter(torch.linspace(-1, 1, 256 * 40).reshape(40, 256))
-        opt = QuantizedAdamW([weight], lr=1e-2, state_format=state_format, rounding=rounding, seed=4, compile=compile)
+        opt = QuantizedAdamW([weight], lr=1e-2, state_format=state_format, rounding=rounding, seed=4, compile=compile,
+                             count_stalls=True)
         g = torch.Generator().manual_seed(0)
         counts = []
         for _ in range(3):

@@ -9,10 +9,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
+
+from lightning_stale.sampling import Sample
 
 Moment = Literal["m", "v"]
 
@@ -28,8 +30,9 @@ MOMENTS: tuple[Moment, ...] = ("m", "v")
 class Slot:
     """One stored moment of one parameter.
 
-    Subclasses override the ``*_at`` methods when they can gather a few elements without touching the whole tensor
-    (the tracker samples up to ``sample_size`` elements per slot every step).
+    The engine reads a slot on its hot path only through :meth:`sampled_codes` (a strided view, no kernel); the
+    ``*_at`` methods gather values and spacings at explicit indices off the hot path (drift readouts, grid
+    estimates), and subclasses override them when they can do so without touching the whole tensor.
 
     Attributes:
         param: the parameter this moment belongs to.
@@ -49,6 +52,8 @@ class Slot:
     signal: Literal["g", "g2"] = "g"
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    packed: ClassVar[bool] = False  # two codes per byte: sampled by element pairs (see lightning_stale.sampling)
 
     @property
     def numel(self) -> int:
@@ -70,6 +75,15 @@ class Slot:
         """Identifies the stored buffer, to notice when an optimizer replaced it (e.g. ``load_state_dict``)."""
         return self.codes().data_ptr()
 
+    def sampled_codes(self, sample: Sample) -> Tensor:
+        """The codes of the sampled elements as a 1-D view of the stored tensor (bytes for packed layouts)."""
+        return sample.view(self.codes())
+
+    def zero_code(self) -> int | None:
+        """The per-element code that stores an exact zero whatever the scale (0 for the built-in layouts), or None
+        when the grid has no zero. Called when the engine plans its batches, never per step."""
+        return 0
+
     def codes_at(self, index: Tensor) -> Tensor:
         """Codes at flat indices ``index``."""
         return gather(self.codes(), index)
@@ -78,16 +92,17 @@ class Slot:
         """Dequantized fp32 values at flat indices ``index``."""
         return gather(self.value(), index)
 
+    def spacing_at(self, index: Tensor) -> Tensor | None:
+        """Absolute grid spacing at flat indices ``index``; ``None`` if unknown."""
+        spacing = self.spacing()
+        return None if spacing is None else gather(spacing, index)
+
     def grad_at(self, index: Tensor) -> Tensor | None:
         """The gradient elements that fed this slot's last update (fp32), or ``None`` when there is no gradient."""
         grad = self.param.grad
         if grad is None:
             return None
         return gather(grad, index).float()
-
-    def zero_code_mask_at(self, index: Tensor) -> Tensor:
-        """True where the stored value at ``index`` is exactly zero (used for the v-underflow metric)."""
-        return self.value_at(index) == 0
 
 
 class OptimizerAdapter(ABC):
@@ -113,11 +128,6 @@ class OptimizerAdapter(ABC):
     def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
         """Reset the chosen moments (None = all) of the chosen params (None = all) in place, bias-correction age
         included, to the state a freshly constructed optimizer would have."""
-
-    def builtin_stall_counts(self) -> dict[tuple[int, Moment], tuple[Tensor, Tensor]] | None:
-        """Per ``(id(param), moment)``: (stalled, counted) 0-d tensors of the last step, when the optimizer counts
-        them itself."""
-        return None
 
     def describe(self) -> str:
         """One line for the fit-start summary."""
@@ -236,6 +246,9 @@ class FloatSlot(Slot):
     def value_at(self, index: Tensor) -> Tensor:
         return gather(self.tensor, index).float()
 
+    def spacing_at(self, index: Tensor) -> Tensor | None:
+        return dtype_ulp(gather(self.tensor, index)) if self.tensor.is_floating_point() else None
+
 
 @dataclass(eq=False, kw_only=True)
 class BlockQmapSlot(Slot):
@@ -267,14 +280,29 @@ class BlockQmapSlot(Slot):
 
         return spacing_from_codes(self.codes().reshape(-1), self.scale.reshape(-1), self.qmap, self.block_size)
 
+    def spacing_at(self, index: Tensor) -> Tensor | None:
+        from lightning_stale.formats.base import grid_spacing_table
+
+        table = grid_spacing_table(self.qmap.detach().float().cpu()).to(self.qmap.device)
+        return gather(table, self.codes_at(index).long()) * gather(self.scale, index // self.block_size)
+
+    def zero_code(self) -> int | None:
+        nearest = int(torch.argmin(self.qmap.reshape(-1).abs()))
+        return nearest if float(self.qmap.reshape(-1)[nearest]) == 0.0 else None
+
 
 @dataclass(eq=False, kw_only=True)
 class Packed4bitSlot(BlockQmapSlot):
     """Like :class:`BlockQmapSlot` with two 4-bit codes per byte (high nibble first), as torchao's 4-bit states."""
 
+    packed: ClassVar[bool] = True
+
     @property
     def numel(self) -> int:
         return self.param.numel()  # without unpacking the codes
+
+    def sampled_codes(self, sample: Sample) -> Tensor:
+        return sample.byte_view(self.stored)
 
     def storage_id(self) -> int:
         return self.stored.data_ptr()
@@ -317,3 +345,6 @@ class BlockFp8Slot(Slot):
 
     def spacing(self) -> Tensor | None:
         return fp8_e4m3_ulp(self.stored.reshape(-1)) * self.scale.repeat_interleave(self.block_size)
+
+    def spacing_at(self, index: Tensor) -> Tensor | None:
+        return fp8_e4m3_ulp(gather(self.stored, index)) * gather(self.scale, index // self.block_size)

@@ -1,5 +1,4 @@
-"""Adapter for :class:`lightning_stale.optim.QuantizedAdamW`: per-moment ages (exact asymmetric resets) and its own
-stall counts.
+"""Adapter for :class:`lightning_stale.optim.QuantizedAdamW`: per-moment ages (exact asymmetric resets).
 
 Moments: ``exp_avg`` -> m (beta1), ``exp_avg_sq`` -> v (beta2), each in the format the optimizer reports
 (``moment_format``); the slots read the optimizer's own tensors (``moment_state``).
@@ -58,7 +57,7 @@ def format_slot(p: Tensor, moment: Moment, beta: float, fmt: StateFormat, q: Qua
 
 
 class QuantizedAdamWAdapter(OptimizerAdapter):
-    """Exact per-moment resets through ``reset_moments`` and the optimizer's own stall counts."""
+    """Exact per-moment resets through ``reset_moments``."""
 
     family = "lightning_stale"
     exact_moment_reset = True
@@ -74,12 +73,6 @@ class QuantizedAdamWAdapter(OptimizerAdapter):
     def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
         chosen = resolve_moments(moments)
         self.optimizer.reset_moments(tuple(m for m in MOMENTS if m in chosen), params)
-
-    def builtin_stall_counts(self) -> dict[tuple[int, Moment], tuple[Tensor, Tensor]] | None:
-        counts = self.optimizer.last_stall_counts()
-        if not self.optimizer.count_stalls:
-            return None
-        return {(pid, moment): pair for pid, per_moment in counts.items() for moment, pair in per_moment.items()}
 
 
 ADAPTERS = {QuantizedAdamW: QuantizedAdamWAdapter}

@@ -69,7 +69,8 @@ class QuantizedAdamW(torch.optim.Optimizer):
         rounding: ``"nearest"`` or ``"stochastic"`` (the write-back rounding of the stored moments).
         min_quantized_size: parameters with fewer elements keep fp32 moments.
         seed: seed of the optimizer's own generator for stochastic rounding (the global RNG is never used).
-        count_stalls: count unchanged codes per parameter and moment during each step.
+        count_stalls: count unchanged codes per parameter and moment during each step (exact counts for your own
+            analysis; off by default, and not needed by the monitor, which samples the stored codes itself).
         compile: fuse each parameter's step with ``torch.compile`` (Inductor CPU/GPU kernels, a one-off compile of
             ~10-20 s per format pair and rounding); None compiles parameters with at least ``COMPILE_MIN_NUMEL``
             elements when a C++ compiler is on PATH, except table-rounded formats (int8_dynamic, fp4) with nearest
@@ -88,7 +89,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
         rounding: str = "nearest",
         min_quantized_size: int = 4096,
         seed: int = 0,
-        count_stalls: bool = True,
+        count_stalls: bool = False,
         compile: bool | None = None,
     ) -> None:
         defaults = dict(

@@ -1,0 +1,57 @@
+"""Every access to another package's private or version-dependent API, each with a fallback.
+
+Keeping them here means a rename upstream breaks one function, and its fallback keeps training runs alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("lightning_stale")
+
+
+def global_rank() -> int:
+    """This process's rank: torch.distributed when initialized, else the launcher's environment, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def rank_zero_info(message: str) -> None:
+    """Lightning's rank-zero info log when Lightning is importable (its handlers and format), else ``logging``."""
+    try:
+        from lightning.fabric.utilities.rank_zero import rank_zero_info as lightning_info
+    except ImportError:  # pragma: no cover - Lightning is a dependency; the fallback serves stripped installs
+        if global_rank() == 0:
+            log.info(message)
+        return
+    lightning_info(message)
+
+
+def lightning_should_log(trainer: object) -> bool:
+    """Whether the Trainer logs on this batch (``log_every_n_steps``), as its logger connector decides."""
+    connector = getattr(trainer, "_logger_connector", None)
+    if connector is not None and hasattr(connector, "should_update_logs"):
+        return bool(connector.should_update_logs)
+    every = getattr(trainer, "log_every_n_steps", 50)  # fallback: the rule of Lightning 2.x
+    return every > 0 and (lightning_logger_step(trainer) + 1) % every == 0
+
+
+def lightning_logger_step(trainer: object) -> int:
+    """The step Lightning's loggers use for this batch (optimizer steps taken, counted once per batch)."""
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    value = getattr(epoch_loop, "_batches_that_stepped", None)
+    return int(value) if value is not None else int(getattr(trainer, "global_step", 0))
+
+
+def lightning_accumulating(trainer: object) -> bool:
+    """True on a micro-batch after which the Trainer does not step (gradient accumulation); False when unknown."""
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
+    return bool(should_accumulate()) if callable(should_accumulate) else False

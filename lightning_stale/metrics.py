@@ -1,0 +1,95 @@
+"""Logged metrics: key names, and the aggregation of the engines' per-slot totals into one row.
+
+Aggregates are element-weighted over slots and summed across ranks: each slot contributes its sums per measured step
+(so a slot measured more often in a window does not weigh more) times the elements each sampled element stands for,
+and fractions are sum(stalled) / sum(counted) over slots and ranks, never an average of per-rank fractions. The
+per-moment vector below is what is reduced across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_stale import theory
+from lightning_stale.adapters.base import MOMENTS
+from lightning_stale.engine import COUNTED, MEASURED, STALLED, UNDERFLOW
+
+# Per moment, the reduced vector holds: the engine's stall columns (normalized per measured step), the number of
+# slots measured, and weighted sums of drift and prediction (value * weight, weight).
+V_STALLED, V_COUNTED, V_UNDERFLOW, V_MEASURED, V_DRIFT, V_DRIFT_W, V_PRED, V_PRED_W = range(8)
+PER_MOMENT = 8
+
+
+def key(prefix: str, *parts: str) -> str:
+    """A logged key: ``<prefix>/<part>/...``."""
+    return "/".join((prefix, *parts))
+
+
+# The keys of one row (``stale`` stands for the prefix), documented in the README's metrics table.
+FRAC, DRIFT, PREDICTED, UNDERFLOW_KEY, BETA_EFF, HORIZON_EFF = "frac", "drift", "predicted", "underflow", "beta_eff", \
+    "horizon_eff"
+RESETS, SINCE_RESET = "resets", "since_reset"
+
+
+def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[str, float, int]],
+                  predicted: Tensor) -> Tensor:
+    """The per-moment vector of one engine's window (host, float64).
+
+    ``totals``: (rows, N_STATS) sums since the last window; ``moments``: each row's moment; ``drift``: (moment,
+    value, weight) of each shadowed slot; ``predicted``: (rows, 2) sum and count of the theory's predictions.
+    """
+    vector = torch.zeros(len(MOMENTS), PER_MOMENT, dtype=torch.float64)
+    measured = totals[:, MEASURED].clamp_min(1.0)
+    for i, moment in enumerate(MOMENTS):
+        rows = torch.tensor([m == moment for m in moments], dtype=torch.bool)
+        if not rows.any():
+            continue
+        per_step = totals[rows] / measured[rows].unsqueeze(1)
+        vector[i, V_STALLED] = per_step[:, STALLED].sum()
+        vector[i, V_COUNTED] = per_step[:, COUNTED].sum()
+        vector[i, V_UNDERFLOW] = per_step[:, UNDERFLOW].sum()
+        vector[i, V_MEASURED] = (totals[rows, MEASURED] > 0).sum()
+        has = predicted[rows, 1] > 0
+        if has.any():
+            mean = predicted[rows][has, 0] / predicted[rows][has, 1]
+            weight = per_step[has, COUNTED]
+            vector[i, V_PRED] = (mean * weight).sum()
+            vector[i, V_PRED_W] = weight.sum()
+    for moment, value, weight in drift:
+        i = MOMENTS.index(moment)
+        vector[i, V_DRIFT] += value * weight
+        vector[i, V_DRIFT_W] += weight
+    return vector.reshape(-1)
+
+
+def row(vector: Tensor, prefix: str, resets: int, since_reset: float | None, v_beta: float | None) -> dict[str, float]:
+    """The metrics of one logged row from the reduced per-moment vector."""
+    values = vector.reshape(len(MOMENTS), PER_MOMENT).tolist()
+    metrics: dict[str, float] = {}
+    stalled = counted = 0.0
+    for moment, v in zip(MOMENTS, values):
+        if v[V_MEASURED] == 0 or v[V_COUNTED] == 0:
+            continue
+        frac = v[V_STALLED] / v[V_COUNTED]
+        stalled, counted = stalled + v[V_STALLED], counted + v[V_COUNTED]
+        metrics[key(prefix, moment, FRAC)] = frac
+        if v[V_DRIFT_W] > 0:
+            metrics[key(prefix, moment, DRIFT)] = v[V_DRIFT] / v[V_DRIFT_W]
+        if v[V_PRED_W] > 0:
+            metrics[key(prefix, moment, PREDICTED)] = v[V_PRED] / v[V_PRED_W]
+        if moment == "v":
+            metrics[key(prefix, "v", UNDERFLOW_KEY)] = v[V_UNDERFLOW] / v[V_COUNTED]
+            if v_beta is not None:
+                metrics[key(prefix, "v", BETA_EFF)] = theory.effective_beta(v_beta, min(1.0, frac))
+                horizon = theory.effective_horizon(v_beta, min(1.0, frac))
+                metrics[key(prefix, "v", HORIZON_EFF)] = horizon if math.isfinite(horizon) else float("inf")
+    if counted > 0:
+        metrics[key(prefix, FRAC)] = stalled / counted
+        metrics[key(prefix, RESETS)] = float(resets)
+        if since_reset is not None:
+            metrics[key(prefix, SINCE_RESET)] = since_reset
+    return metrics

@@ -1,0 +1,508 @@
+"""StaleStateMonitor: the engine, the reset schedule and the policy around any optimizer, in any training loop.
+
+Data flow per optimizer: optimizer state -> adapter (slots, resets) -> :class:`~lightning_stale.engine.StallEngine`
+(stall counts, in torch's optimizer step hooks) -> :class:`~lightning_stale.schedule.ResetSchedule` and the policy
+(decide) -> resets in place; :meth:`StaleStateMonitor.compute` turns the counts into one row of metrics
+(:mod:`lightning_stale.metrics`). The Lightning Trainer callback and the other front-ends are thin wrappers.
+
+Only steps that really ran count: the hooks run inside ``optimizer.step()`` (a GradScaler-skipped step never calls
+it; a fused optimizer that skips internally is recognised by the ``found_inf`` flag GradScaler sets on it). A
+measurement that cannot be made for a slot (no data yet, a failed estimate) is skipped and retried, with one warning;
+an unexpected error inside a hook is reported once and that step is skipped, so the monitor never stops a run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+import lightning_stale.adapters as adapters
+from lightning_stale import guard, metrics, predict
+from lightning_stale._compat import rank_zero_info
+from lightning_stale.adapters.base import OptimizerAdapter, Slot
+from lightning_stale.engine import Batch, StallEngine
+from lightning_stale.policies import ResetPolicy, check_moments, make_policy
+from lightning_stale.schedule import ResetSchedule, ResetUnit
+
+ResetListener = Callable[[torch.optim.Optimizer, list[Slot]], None]
+Reduce = Callable[[Tensor], Tensor]
+STATE_VERSION = 2
+TRACK_MODES = ("sample", "exact")
+
+
+class StaleStateWarning(UserWarning):
+    """A measurement the monitor skipped (it keeps trying); training is not affected."""
+
+
+class StaleStateInternalWarning(StaleStateWarning):
+    """An unexpected error inside a step hook: the monitor skipped that step (a bug; please report it)."""
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+
+
+def _flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}")
+
+
+@dataclass
+class MonitorOptions:
+    """The options every front-end shares, validated once (see :class:`StaleStateMonitor` for their meaning)."""
+
+    reset: str | ResetPolicy | None = None
+    every: int | None = None
+    s0: float = 0.6
+    min_interval: int = 50
+    moments: Sequence[str] = ("m", "v")
+    track: str = "sample"
+    sample_size: int = 4096
+    params_per_step: int = 32
+    track_every: int = 1
+    log_per_param: bool = False
+    log_key_prefix: str = "stale"
+    strict: bool = True
+    seed: int = 0
+    underflow_guard: bool = False
+    warmup_steps: int = 0
+    policy: ResetPolicy | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.track not in TRACK_MODES:
+            raise ValueError(f"`track` must be 'sample' or 'exact', got {self.track!r}")
+        for name in ("sample_size", "params_per_step", "track_every"):
+            _positive_int(name, getattr(self, name))
+        if not isinstance(self.log_key_prefix, str) or not self.log_key_prefix:
+            raise ValueError(f"`log_key_prefix` must be a non-empty string, got {self.log_key_prefix!r}")
+        for name in ("log_per_param", "strict", "underflow_guard"):
+            _flag(name, getattr(self, name))
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(
+                f"`warmup_steps` must be an int >= 0 (0 disables the post-reset warm-up), got {self.warmup_steps!r}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"`seed` must be an int, got {self.seed!r}")
+        self.policy = make_policy(self.reset, self.every, self.s0, self.min_interval, check_moments(self.moments))
+
+
+@dataclass(eq=False)
+class _Attached:
+    """What the monitor keeps per optimizer."""
+
+    source: object  # as the caller passed it (a wrapper, e.g. LightningOptimizer); hooks go on adapter.optimizer
+    adapter: OptimizerAdapter
+    engine: StallEngine
+    schedule: ResetSchedule = field(default_factory=ResetSchedule)
+    steps: int = 0  # real optimizer steps seen (restored from checkpoints)
+    measuring: bool = False
+    curves: list[np.ndarray] = field(default_factory=list)  # distinct build-up curves in use
+    curve_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # per unit, -1 for none
+    pending: set[int] = field(default_factory=set)  # unit positions waiting for a grid estimate
+    warming: dict[int, Tensor] = field(default_factory=dict)  # parameters before a warm-up step
+    announced: bool = False
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.adapter.optimizer
+
+
+class StaleStateMonitor:
+    """Measure how stale the stored moments of one or more optimizers are, and optionally reset them.
+
+    Attaches to torch's optimizer step hooks at construction; works in any training loop::
+
+        monitor = StaleStateMonitor(optimizer, reset="theory", names=model)
+        for step, batch in enumerate(loader):
+            model(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % 50 == 0:
+                print(monitor.compute())  # or writer.add_scalars / wandb.log / fabric.log_dict
+        monitor.close()
+
+    Args:
+        optimizers: a torch optimizer, a wrapper of one (``LightningOptimizer``, accelerate's ``AcceleratedOptimizer``)
+            or a sequence of them.
+        reset: ``None`` (monitor only), ``"periodic"`` (needs ``every``), ``"theory"`` (period K* from the paper's
+            model for each slot's format and beta), ``"adaptive"`` (paper Alg. 2 on the measured stall fraction) or
+            any :class:`~lightning_stale.policies.ResetPolicy`.
+        every: reset period in optimizer steps for ``reset="periodic"``.
+        s0: staleness tolerance of the theory and adaptive rules (the paper uses 0.6).
+        min_interval: fewest steps between two adaptive resets of a parameter.
+        moments: which moments a shortcut policy resets: ``("m", "v")`` or ``("v",)``.
+        track: ``"sample"`` measures a systematic sample of up to ``sample_size`` elements of each slot of
+            ``params_per_step`` parameters per measured step, in turn; ``"exact"`` compares every element of every
+            slot on every measured step.
+        sample_size: elements per slot in sample mode.
+        params_per_step: parameters measured per step in sample mode (raised so that every parameter is measured
+            within ``coverage_steps`` measured steps).
+        track_every: measure one optimizer step in ``track_every`` (drift shadows still see every step).
+        log_per_param: :meth:`compute` also returns ``<prefix>/<param name>/<state key>/frac`` for every parameter
+            measured in the window.
+        log_key_prefix: prefix of every key.
+        strict: raise for optimizers without an adapter; ``False`` falls back to a generic adapter with a warning.
+        seed: seed of the element sample (ranks may use different seeds: counts are summed across ranks).
+        underflow_guard: after every real step, zero the first moment of elements whose stored second moment is
+            exactly zero while m is not (see :mod:`lightning_stale.guard`).
+        warmup_steps: after a reset, scale the next ``warmup_steps`` updates of the reset parameters by
+            ``i / warmup_steps`` (SPAM-style).
+        names: the model (``named_parameters`` gives the names) or a mapping name -> parameter, for readable
+            per-parameter keys and messages.
+        reduce: sums a float64 tensor across processes (every rank calls :meth:`compute` at the same steps). Default:
+            ``torch.distributed.all_reduce`` when a process group is initialized, else nothing.
+        coverage_steps: in sample mode, every parameter is measured at least once in this many measured steps (set it
+            to your logging interval).
+    """
+
+    def __init__(self, optimizers: object | Sequence[object], reset: str | ResetPolicy | None = None, *,
+                 names: nn.Module | Mapping[str, Tensor] | None = None, reduce: Reduce | None = None,
+                 coverage_steps: int = 50, options: MonitorOptions | None = None, **kwargs: Any) -> None:
+        if options is None:
+            options = MonitorOptions(reset=reset, **kwargs)
+        elif reset is not None or kwargs:
+            raise ValueError("pass either `options` or individual options, not both")
+        _positive_int("coverage_steps", coverage_steps)
+        self.options = options
+        self.policy = options.policy
+        self.reset_events = 0
+        self._reduce = reduce if reduce is not None else _default_reduce()
+        self._listeners: list[ResetListener] = []
+        self._handles: list[RemovableHandle] = []
+        self._warned: set[str] = set()
+        self._names = _names(names)
+        sources = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+        if not sources:
+            raise ValueError("StaleStateMonitor needs at least one optimizer (none was given)")
+        self._attached = [self._attach(i, source, coverage_steps) for i, source in enumerate(sources)]
+
+    # -- public API --------------------------------------------------------------------------------------------------
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The raw optimizers whose step hooks the monitor uses."""
+        return [a.optimizer for a in self._attached]
+
+    @property
+    def steps(self) -> list[int]:
+        """Real optimizer steps counted per optimizer (skipped steps excluded)."""
+        return [a.steps for a in self._attached]
+
+    def slots(self, optimizer_index: int = 0) -> list[Slot]:
+        """The slots tracked for one optimizer (after its first step)."""
+        return [e.slot for e in self._attached[optimizer_index].engine.entries.values()]
+
+    def units(self, optimizer_index: int = 0) -> list[ResetUnit]:
+        """The parameters of one optimizer as the reset policy sees them (ages, periods, reset counts)."""
+        return list(self._attached[optimizer_index].schedule.units)
+
+    def resident_bytes(self) -> int:
+        """Memory the monitor keeps between steps (engine tensors and host arrays), for budgeting."""
+        return sum(a.engine.resident_bytes() for a in self._attached)
+
+    def add_reset_listener(self, listener: ResetListener) -> None:
+        """Call ``listener(optimizer, slots)`` after every reset (e.g. to re-warm a learning rate)."""
+        self._listeners.append(listener)
+
+    def reset_periods(self) -> dict[str, int | None]:
+        """The reset period chosen for each parameter (by name), once its state exists."""
+        return {self._unit_name(a, u): u.period for a in self._attached for u in a.schedule.units}
+
+    def compute(self) -> dict[str, float]:
+        """The metrics of every measured step since the previous call, summed across ranks; starts a new window.
+
+        A collective when ``reduce`` is set: call it on every rank at the same steps.
+        """
+        row, per_param = self.compute_parts()
+        return {**row, **per_param}
+
+    def compute_parts(self) -> tuple[dict[str, float], dict[str, float]]:
+        """:meth:`compute` as (the aggregate row, the per-parameter fractions of this rank) for front-ends that log
+        them through different paths."""
+        vector = torch.zeros(len(metrics.MOMENTS) * metrics.PER_MOMENT, dtype=torch.float64)
+        per_param: dict[str, float] = {}
+        for a in self._attached:
+            engine = a.engine
+            window = engine.window()
+            entries = list(engine.entries.values())
+            drift = engine.drift()
+            vector += metrics.moment_vector(
+                window["totals"], [e.moment for e in entries],
+                [(engine.entries[k].moment, value, engine.drift_weight(k)) for k, value in drift.items()],
+                window["predicted"])
+            if self.options.log_per_param:
+                for entry, row in zip(entries, window["totals"].tolist()):
+                    if row[metrics.COUNTED] > 0:
+                        name = self._unit_name(a, a.schedule.units[entry.unit.position])
+                        per_param[metrics.key(self.options.log_key_prefix, name, entry.slot.key, metrics.FRAC)] = \
+                            row[metrics.STALLED] / row[metrics.COUNTED]
+        if self._reduce is not None:
+            vector = self._reduce(vector).to(torch.float64).cpu()
+        ages = np.concatenate([a.schedule.ages for a in self._attached])
+        betas = [e.slot.beta for a in self._attached for e in a.engine.entries.values()
+                 if e.moment == "v" and e.slot.beta is not None]
+        row = metrics.row(vector, self.options.log_key_prefix, self.reset_events,
+                          float(ages.mean()) if ages.size else None, sum(betas) / len(betas) if betas else None)
+        return row, per_param
+
+    def close(self) -> None:
+        """Detach from the optimizers' step hooks (the monitor keeps its state and can be inspected)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> StaleStateMonitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "reset_events": self.reset_events,
+            "optimizers": [{"steps": a.steps, "engine": a.engine.state_dict(), "schedule": a.schedule.state_dict()}
+                           for a in self._attached],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: counts in the current window, drift shadows, ages and reset counts;
+        reset periods are re-derived from the policy configured now."""
+        saved = state.get("optimizers", [])
+        if len(saved) != len(self._attached):
+            raise ValueError(
+                f"the saved monitor state tracks {len(saved)} optimizer(s) but {len(self._attached)} are attached now. "
+                "Resume with the same optimizers, or drop the saved monitor state."
+            )
+        self.reset_events = int(state.get("reset_events", 0))
+        for a, s in zip(self._attached, saved):
+            a.steps = int(s["steps"])
+            a.engine.load_state_dict(s["engine"])
+            a.schedule.load_state_dict(s["schedule"])
+            a.schedule.sync([])
+            a.curves, a.curve_of, a.pending = [], np.zeros(0, dtype=np.int64), set()
+            self._adopt(a)
+
+    # -- attaching ---------------------------------------------------------------------------------------------------
+    def _attach(self, index: int, source: object, coverage_steps: int) -> _Attached:
+        options = self.options
+        adapter = adapters.adapter_for(source, strict=options.strict)
+        engine = StallEngine(adapter, f"opt{index}", options.track == "exact", options.sample_size,
+                             options.params_per_step, max(1, coverage_steps // options.track_every), options.seed)
+        attached = _Attached(source, adapter, engine)
+        self._handles.append(adapter.optimizer.register_step_pre_hook(lambda *_: self._guarded(self._before, attached)))
+        self._handles.append(adapter.optimizer.register_step_post_hook(lambda *_: self._guarded(self._after, attached)))
+        self._adopt(attached)
+        return attached
+
+    def _guarded(self, hook: Callable[[_Attached], None], attached: _Attached) -> None:
+        try:
+            hook(attached)
+        except Exception as error:  # the monitor must never stop a training run
+            attached.engine.discard()
+            self._warn_once(f"{type(error).__name__}: {error}",
+                            f"lightning_stale skipped a measurement after an unexpected error ({type(error).__name__}: "
+                            f"{error}); training continues. Please report this with your optimizer and model.",
+                            StaleStateInternalWarning)
+
+    def _warn_once(self, key: str, message: str, category: type[Warning] = StaleStateWarning) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, category, stacklevel=3)
+
+    # -- step hooks --------------------------------------------------------------------------------------------------
+    def _before(self, a: _Attached) -> None:
+        a.measuring = (a.steps + 1) % self.options.track_every == 0
+        a.engine.before_step(a.measuring)
+        self._adopt(a)
+        a.warming = {u.position: u.param.detach().clone() for u in a.schedule.warming()}
+
+    def _after(self, a: _Attached) -> None:
+        # GradScaler hands a fused/AMP-aware optimizer its verdict as the attribute ``found_inf`` during step()
+        found_inf = getattr(a.optimizer, "found_inf", None)
+        if found_inf is not None and bool(found_inf):  # a host sync, only under GradScaler with a fused optimizer
+            a.engine.discard()
+            return
+        a.steps += 1
+        if a.warming:
+            self._warm_up(a)
+        measured = a.engine.after_step()
+        self._adopt(a)
+        if self.options.underflow_guard:
+            guard.guard_underflow(e.slot for e in a.engine.entries.values())
+        if measured:
+            self._estimate_pending(a, measured)
+            self._predict(a, measured)
+        a.schedule.advance()
+        if self.policy is None:
+            return
+        if self.policy.needs_measurement and measured:
+            self._observe(a, measured)
+        self._maybe_reset(a)
+
+    def _warm_up(self, a: _Attached) -> None:
+        """Scale this step's update of recently reset parameters: p = p_old + (i / warmup_steps) * (p - p_old)."""
+        steps = self.options.warmup_steps
+        for position, old in a.warming.items():
+            unit = a.schedule.units[position]
+            factor = (steps - unit.warmup_left + 1) / steps
+            with torch.no_grad():
+                unit.param.lerp_(old, 1.0 - factor)
+            unit.warmup_left -= 1
+        a.warming = {}
+
+    # -- parameters appearing ----------------------------------------------------------------------------------------
+    def _adopt(self, a: _Attached) -> None:
+        """Align the schedule with the engine's units; give new parameters their rho-hat and period."""
+        if len(a.schedule.units) == len(a.engine.units) and all(
+                u._unit is e for u, e in zip(a.schedule.units, a.engine.units)):
+            return
+        new = a.schedule.sync(a.engine.units)
+        curve_of = np.full(len(a.schedule.units), -1, dtype=np.int64)
+        a.curve_of = curve_of
+        a.pending = set()
+        for unit in a.schedule.units:
+            driver = unit.driver()
+            rho, _, needs_estimate = predict.closed_form_rho(driver) if driver is not None else (None, "", False)
+            if rho is not None:
+                a.schedule.arrays["rho"][unit.position] = rho
+            elif needs_estimate and unit.rho is None:
+                a.pending.add(unit.position)
+            self._configure(a, unit, unit in new)
+        if new and not a.announced:
+            a.announced = True
+            self._info(self._summary(a))
+
+    def _configure(self, a: _Attached, unit: ResetUnit, new: bool) -> None:
+        """Pick the unit's build-up curve and let the policy choose its period (once its rho-hat is known)."""
+        driver = unit.driver()
+        if unit.rho is not None and driver is not None and driver.beta is not None:
+            curve = predict.build_up_curve(unit.rho, driver.beta)
+            ids = [i for i, c in enumerate(a.curves) if c is curve]
+            if not ids:
+                a.curves.append(curve)
+                ids = [len(a.curves) - 1]
+            a.curve_of[unit.position] = ids[0]
+        if self.policy is not None and (new or unit.period_source == "") and unit.position not in a.pending:
+            self.policy.configure(unit)
+
+    def _estimate_pending(self, a: _Attached, measured: list[Batch]) -> None:
+        """Grid estimates of rho-hat for measured parameters that still lack one (one host sync per estimate)."""
+        if not a.pending:
+            return
+        for position in {int(p) for b in measured for p in b.positions} & a.pending:
+            unit = a.schedule.units[position]
+            rho = predict.estimate_rho(unit.driver(), unit.key)
+            if rho is None:
+                self._warn_once(f"estimate:{unit.key}",
+                                f"lightning_stale: no theory prediction yet for {self._unit_name(a, unit)!r}: its "
+                                "stored second moment holds no non-zero value (zero gradients so far?); retrying when "
+                                "it is next measured.")
+                continue
+            a.pending.discard(position)
+            a.schedule.arrays["rho"][position] = rho
+            self._configure(a, unit, new=True)
+
+    def _predict(self, a: _Attached, measured: list[Batch]) -> None:
+        """Add the theory's predicted stall to every measured second moment with a curve (host arrays only)."""
+        ages = a.schedule.ages
+        for batch in measured:
+            curve_ids = np.where(batch.is_v, a.curve_of[batch.positions], -1)
+            for curve_id in np.unique(curve_ids[curve_ids >= 0]):
+                chosen = curve_ids == curve_id
+                values = predict.predicted_stall(a.curves[curve_id], ages[batch.positions[chosen]])
+                a.engine.add_predictions(batch.global_rows[chosen], values)
+
+    # -- resets ------------------------------------------------------------------------------------------------------
+    def _observe(self, a: _Attached, measured: list[Batch]) -> None:
+        """Feed the adaptive policy the stall fraction of each measured driver slot (one host sync per step)."""
+        entries = [e for b in measured for e in b.entries]
+        drivers = {}
+        for entry in entries:
+            unit = a.schedule.units[entry.unit.position]
+            if unit.driver() is entry.slot:
+                drivers[entry.unit.position] = entry
+        for (position, entry), fraction in zip(drivers.items(), a.engine.last_fractions(list(drivers.values()))):
+            self.policy.observe(a.schedule.units[position], fraction)
+
+    def _maybe_reset(self, a: _Attached) -> None:
+        due = self.policy.due(a.schedule, a.steps)
+        if self.policy.needs_sync and self._reduce is not None:
+            due = self._reduce(torch.from_numpy(due.astype(np.float64))).cpu().numpy() > 0
+        if due.any():
+            self._reset(a, [a.schedule.units[i] for i in np.flatnonzero(due)])
+
+    def _reset(self, a: _Attached, units: list[ResetUnit]) -> None:
+        moments = self.policy.moments
+        a.adapter.reset(moments=moments, params=[u.param for u in units])
+        slots = []
+        for unit in units:
+            for entry in unit.entries:
+                if entry.moment in moments:
+                    a.engine.resync(entry)
+                    slots.append(entry.slot)
+        a.schedule.record_reset(units, a.steps, self.options.warmup_steps)
+        self.reset_events += 1
+        for listener in self._listeners:
+            listener(a.optimizer, slots)
+
+    # -- names and messages ------------------------------------------------------------------------------------------
+    def _unit_name(self, a: _Attached, unit: ResetUnit) -> str:
+        name = self._names.get(id(unit.param), unit.key)
+        return name if len(self._attached) == 1 else f"{a.engine.prefix}/{name}"
+
+    def _info(self, message: str) -> None:
+        rank_zero_info(message)
+
+    def _summary(self, a: _Attached) -> str:
+        from collections import Counter
+
+        formats: Counter[str] = Counter()
+        periods: Counter[str] = Counter()
+        for unit in a.schedule.units:
+            formats.update(f"{s.moment}: {s.format} (beta={s.beta})" for s in unit.slots)
+            if self.policy is not None and unit.position not in a.pending:
+                periods[f"{unit.period} ({unit.period_source})"] += 1
+        engine = a.engine
+        lines = [f"[lightning_stale] {a.adapter.describe()}; policy: {self.policy!r}; tracking: "
+                 + ("exact" if engine.exact else f"sample ({engine.sample_size} elements, "
+                    f"{len(engine.cohorts[0]) if engine.cohorts else 0} parameters per step)")
+                 + f" every {self.options.track_every} step(s)",
+                 "[lightning_stale] state formats: " + ", ".join(f"{k} x{n}" for k, n in formats.items())]
+        if periods:
+            lines.append("[lightning_stale] reset periods: " + ", ".join(f"{k} x{n}" for k, n in periods.items()))
+        if a.pending:
+            lines.append(f"[lightning_stale] {len(a.pending)} parameter(s) wait for a grid estimate of their rho-hat "
+                         "(taken when they are first measured)")
+        return "\n".join(lines)
+
+
+def _names(names: nn.Module | Mapping[str, Tensor] | None) -> dict[int, str]:
+    if names is None:
+        return {}
+    pairs: Iterable[tuple[str, Tensor]] = names.named_parameters() if isinstance(names, nn.Module) else names.items()
+    return {id(p): n for n, p in pairs}
+
+
+def _default_reduce() -> Reduce | None:
+    """``torch.distributed.all_reduce`` (sum) when a multi-process group is up, on the backend's device."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def reduce(tensor: Tensor) -> Tensor:
+        tensor = tensor.to(device)
+        dist.all_reduce(tensor)
+        return tensor
+
+    return reduce
+

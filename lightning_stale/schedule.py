@@ -1,0 +1,164 @@
+"""Reset bookkeeping per parameter: ages, periods, resets, warm-up, the theory's rho-hat; arrays over parameters.
+
+One :class:`ResetSchedule` per optimizer. Its per-parameter fields are numpy arrays so that the per-step work
+(every age advances, built-in policies compare ages with periods) is a few vectorized operations whatever the number
+of parameters; a policy sees one parameter through a :class:`ResetUnit`, a view into those arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from lightning_stale.adapters.base import Slot
+from lightning_stale.engine import Entry, Unit
+
+NO_PERIOD = -1
+
+# Per-parameter numeric fields: name -> (dtype, value of a new parameter). Saved in checkpoints by parameter key.
+FIELDS: dict[str, tuple[type, float]] = {
+    "age": (np.int64, 0),  # real optimizer steps since the zero start or the last reset
+    "period": (np.int64, NO_PERIOD),  # chosen reset period, NO_PERIOD for none
+    "resets": (np.int64, 0),
+    "last_reset_step": (np.int64, -1),
+    "warmup_left": (np.int64, 0),  # post-reset warm-up steps still to apply
+    "measured": (np.int64, 0),  # measured steps in the current cycle (adaptive policy)
+    "accumulator": (np.float64, 0.0),  # sum of excess staleness in the current cycle (adaptive policy)
+    "rho": (np.float64, math.nan),  # rho-hat of the driver slot; nan while unknown or not applicable
+}
+# Kept across a resume (measured history); the period is re-derived by the policy configured at resume.
+HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "measured", "accumulator", "rho")
+
+
+class ResetUnit:
+    """One parameter as a policy sees it: its slots and its bookkeeping fields (read and written in place)."""
+
+    def __init__(self, schedule: ResetSchedule, index: int, unit: Unit) -> None:
+        self._schedule, self.position, self._unit = schedule, index, unit
+
+    key = property(lambda self: self._unit.key)
+    param = property(lambda self: self._unit.param)
+
+    @property
+    def slots(self) -> list[Slot]:
+        return [e.slot for e in self._unit.entries]
+
+    @property
+    def entries(self) -> list[Entry]:
+        return self._unit.entries
+
+    def driver(self) -> Slot | None:
+        """The slot whose staleness drives the decision: the second moment when there is one, else the first."""
+        by_moment = {s.moment: s for s in self.slots}
+        return by_moment.get("v") or by_moment.get("m")
+
+    @property
+    def period(self) -> int | None:
+        value = int(self._schedule.arrays["period"][self.position])
+        return None if value == NO_PERIOD else value
+
+    @period.setter
+    def period(self, value: int | None) -> None:
+        self._schedule.arrays["period"][self.position] = NO_PERIOD if value is None else value
+
+    @property
+    def rho(self) -> float | None:
+        value = float(self._schedule.arrays["rho"][self.position])
+        return None if math.isnan(value) else value
+
+    @property
+    def period_source(self) -> str:
+        return self._schedule.sources[self.position]
+
+    @period_source.setter
+    def period_source(self, value: str) -> None:
+        self._schedule.sources[self.position] = value
+
+    def __repr__(self) -> str:
+        return f"ResetUnit({self.key!r}, age={self.age}, period={self.period})"
+
+
+def _field(name: str, kind: type) -> property:
+    def get(self: ResetUnit) -> Any:
+        return kind(self._schedule.arrays[name][self.position])
+
+    def set(self: ResetUnit, value: Any) -> None:
+        self._schedule.arrays[name][self.position] = value
+
+    return property(get, set)
+
+
+for _name in ("age", "resets", "last_reset_step", "warmup_left", "measured"):
+    setattr(ResetUnit, _name, _field(_name, int))
+ResetUnit.accumulator = _field("accumulator", float)
+
+
+class ResetSchedule:
+    """Reset bookkeeping of one optimizer's parameters, aligned with its engine's units."""
+
+    def __init__(self) -> None:
+        self.units: list[ResetUnit] = []
+        self.keys: list[str] = []
+        self.arrays: dict[str, np.ndarray] = {name: np.zeros(0, dtype=kind) for name, (kind, _) in FIELDS.items()}
+        self.sources: list[str] = []  # why each period was chosen ("" until the policy configured the unit)
+        self.betas = np.zeros(0)  # beta of each driver slot (nan when it is not an EMA)
+        self._restored: dict[str, dict[str, Any]] = {}
+
+    def sync(self, units: list[Unit]) -> list[ResetUnit]:
+        """Align with the engine's units (same order), keeping each known parameter's fields; returns the new ones."""
+        old = {key: i for i, key in enumerate(self.keys)}
+        arrays = {name: np.full(len(units), default, dtype=kind) for name, (kind, default) in FIELDS.items()}
+        sources = [""] * len(units)
+        fresh: list[int] = []
+        for i, unit in enumerate(units):
+            if unit.key in old:
+                j = old[unit.key]
+                for name in FIELDS:
+                    arrays[name][i] = self.arrays[name][j]
+                sources[i] = self.sources[j]
+            else:
+                fresh.append(i)
+                for name, value in self._restored.pop(unit.key, {}).items():
+                    arrays[name][i] = value
+        self.arrays, self.sources, self.keys = arrays, sources, [u.key for u in units]
+        self.units = [ResetUnit(self, i, unit) for i, unit in enumerate(units)]
+        self.betas = np.array([_beta(u.driver()) for u in self.units], dtype=np.float64)
+        return [self.units[i] for i in fresh]
+
+    @property
+    def ages(self) -> np.ndarray:
+        return self.arrays["age"]
+
+    def advance(self) -> None:
+        """One real optimizer step for every parameter."""
+        self.arrays["age"] += 1
+
+    def record_reset(self, units: list[ResetUnit], step: int, warmup_steps: int) -> None:
+        """Restart the cycle of ``units`` after their reset at optimizer step ``step``."""
+        rows = np.array([u.position for u in units], dtype=np.int64)
+        for name, value in (("age", 0), ("measured", 0), ("accumulator", 0.0), ("warmup_left", warmup_steps),
+                            ("last_reset_step", step)):
+            self.arrays[name][rows] = value
+        self.arrays["resets"][rows] += 1
+
+    def warming(self) -> list[ResetUnit]:
+        """Parameters inside a post-reset warm-up."""
+        return [self.units[i] for i in np.flatnonzero(self.arrays["warmup_left"] > 0)]
+
+    # -- checkpointing -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {key: {**{name: self.arrays[name][i].item() for name in FIELDS}, "period_source": self.sources[i]}
+                for i, key in enumerate(self.keys)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt the measured history of a checkpoint (ages, reset counts, warm-up, adaptive accumulators, rho-hat
+        estimates); periods are re-derived by the policy configured now."""
+        self._restored = {key: {name: fields[name] for name in HISTORY if name in fields}
+                          for key, fields in state.items()}
+
+
+def _beta(slot: Slot | None) -> float:
+    return math.nan if slot is None or slot.beta is None else float(slot.beta)
+

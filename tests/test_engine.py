@@ -1,0 +1,195 @@
+"""The batched engine: exact counts equal an independent clone-and-compare on every step and every layout, samples
+stay within sampling error, the step work does not grow with the number of tensors, nothing is read back to the host
+on a non-logging step, and every tensor the engine creates lives on the state's device."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_stale import StaleStateMonitor
+from lightning_stale.adapters import adapter_for
+from lightning_stale.engine import COUNTED, STALLED, StallEngine
+from lightning_stale.optim import QuantizedAdamW
+
+LR = 1e-3
+
+
+def make(kind: str, params, device) -> torch.optim.Optimizer:
+    if kind == "bnb":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=LR, min_8bit_size=256)
+    if kind == "torch_bf16":
+        return torch.optim.AdamW(params, lr=LR)
+    if kind.startswith("torchao"):
+        from torchao.optim import AdamW4bit, AdamW8bit
+
+        return (AdamW4bit if kind.endswith("4bit") else AdamW8bit)(params, lr=LR, block_size=128 if "4" in kind else 256)
+    fmt = kind.split(":")[1]
+    return QuantizedAdamW(params, lr=LR, state_format=fmt, min_quantized_size=256, compile=False)
+
+
+def layers(widths, device, dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    mods = [nn.Linear(a, b) for a, b in zip(widths, widths[1:])]
+    return nn.Sequential(*mods).to(device=device, dtype=dtype)
+
+
+def state_codes(opt, p) -> dict[str, torch.Tensor]:
+    """Every stored moment of ``p`` as one comparable flat code tensor (the probe reads the raw state itself)."""
+    out = {}
+    for key, value in opt.state[p].items():
+        if key in ("step", "step_m", "step_v") or not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        if key.startswith(("absmax", "qmap", "exp_avg_scale", "exp_avg_sq_scale")):
+            continue
+        codes = getattr(value, "codes", value)
+        if codes.dtype == torch.uint8 and type(value).__name__ == "OptimState4bit" or (
+                isinstance(opt, QuantizedAdamW) and opt.moment_format(p, "m" if key == "exp_avg" else "v").name == "fp4"):
+            flat = codes.reshape(-1)
+            codes = torch.stack([flat >> 4, flat & 15], 1).reshape(-1)[: p.numel()]
+        elif codes.is_floating_point():
+            codes = codes.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[codes.element_size()])
+        out[key] = codes.reshape(-1).clone()
+    return out
+
+
+KINDS = ["bnb", "torch_bf16", "torchao8bit", "torchao4bit", "qadamw:fp8_e4m3", "qadamw:fp4", "qadamw:int8_dynamic"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exact_counts_equal_clone_and_compare_on_every_step(kind, device):
+    if kind.startswith("torchao") and device.type == "cpu":
+        pytest.importorskip("torchao")
+    dtype = torch.bfloat16 if kind == "torch_bf16" else torch.float32
+    model = layers([64, 256, 128], device, dtype)
+    opt = make(kind, model.parameters(), device)
+    engine = StallEngine(adapter_for(opt), "opt0", exact=True, sample_size=4096, params_per_step=32,
+                         coverage_steps=50, seed=0)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    checked = 0
+    for step in range(6):
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(device=device, dtype=dtype)
+        model[0].weight.grad[:3] = 0.0  # zero-gradient elements are not counted
+        if step == 4 and kind != "bnb":  # bitsandbytes' CPU kernel corrupts a block with a NaN (README)
+            model[1].weight.grad[0, 0] = float("nan")
+        before = {p: state_codes(opt, p) for p in model.parameters() if opt.state[p]}
+        engine.before_step(measure=True)
+        opt.step()
+        engine.after_step()
+        window = engine.window()["totals"]
+        rows = {e.key: row for e, row in zip(engine.entries.values(), window.tolist())}
+        for entry in engine.entries.values():
+            p = entry.slot.param
+            if p not in before:
+                continue
+            raw_key = {"state1": "state1", "state2": "state2"}.get(entry.slot.key, entry.slot.key)
+            mask = (torch.isfinite(p.grad) & (p.grad != 0)).reshape(-1)
+            unchanged = (state_codes(opt, p)[raw_key] == before[p][raw_key]) & mask
+            assert rows[entry.key][STALLED] == int(unchanged.sum()), (step, entry.key)
+            assert rows[entry.key][COUNTED] == int(mask.sum()), (step, entry.key)
+            checked += 1
+    assert checked >= 4 * 4 * 2
+
+
+def test_sample_mode_is_within_sampling_error_of_exact():
+    model = layers([256, 512, 64], "cpu")
+    import bitsandbytes as bnb
+
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=LR)
+    adapter = adapter_for(opt)
+    exact = StallEngine(adapter, "opt0", True, 4096, 32, 50, 0)
+    sample = StallEngine(adapter, "opt0", False, 1024, 32, 50, 0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g) * 1e-2
+        exact.before_step(True)
+        sample.before_step(True)
+        opt.step()
+        exact.after_step()
+        sample.after_step()
+    e, s = exact.window()["totals"], sample.window()["totals"]
+    for entry, er, sr in zip(exact.entries.values(), e.tolist(), s.tolist()):
+        fe, fs = er[STALLED] / er[COUNTED], sr[STALLED] / sr[COUNTED]
+        n = min(1024, entry.slot.numel) * 39
+        assert abs(fe - fs) <= 5 * math.sqrt(max(fe * (1 - fe), 1e-4) / n) + 1e-3, entry.key
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops that run kernels (views and metadata-only ops excluded) and host read-backs."""
+
+    FREE = {"view", "_unsafe_view", "slice", "as_strided", "alias", "reshape", "detach", "t", "expand", "select",
+            "unsqueeze", "squeeze", "lift_fresh", "_to_copy_noop"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in ("_local_scalar_dense", "is_nonzero", "item"):
+            self.syncs += 1
+        elif name not in self.FREE:
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def hooks_cost(tensors: int, kind: str, **options) -> tuple[int, int]:
+    """(kernels, host reads) of the monitor's step hooks on a model with ``tensors`` parameter tensors, on a
+    measured, non-logging step after the state exists."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(tensors // 2)])
+    opt = make(kind, model.parameters(), "cpu") if kind != "torch" else torch.optim.AdamW(model.parameters())
+    monitor = StaleStateMonitor(opt, params_per_step=8, coverage_steps=10_000, **options)
+    warm = tensors // 8 + 3  # every cohort measured once: one-off grid estimates are behind us
+    for step in range(warm + 1):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape) * 1e-2
+        if step < warm:
+            opt.step()
+            continue
+        attached = monitor._attached[0]
+        with CountOps() as counter:
+            monitor._before(attached)
+            monitor._after(attached)
+    monitor.close()
+    return counter.kernels, counter.syncs
+
+
+@pytest.mark.parametrize("kind", ["bnb", "torch", "qadamw:int8_dynamic"])
+@pytest.mark.parametrize("options", [{}, {"reset": "theory"}, {"reset": "periodic", "every": 1000}],
+                         ids=["monitor", "theory", "periodic"])
+def test_step_work_does_not_grow_with_the_number_of_tensors_and_never_syncs(kind, options):
+    small = hooks_cost(16, kind, **options)
+    large = hooks_cost(256, kind, **options)
+    assert small[1] == large[1] == 0, "a host read-back on a non-logging step"
+    assert small[0] == large[0], f"kernels per step: {small[0]} with 16 tensors, {large[0]} with 256"
+    assert small[0] <= 48  # about 40 kernels: one cat per batch and device, a few elementwise ops, one index_add_
+
+
+def test_engine_tensors_live_on_the_state_device(device):
+    import bitsandbytes as bnb
+
+    model = layers([64, 256, 16], device)
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=256) if device.type == "cuda" else \
+        QuantizedAdamW(model.parameters(), min_quantized_size=256)
+    monitor = StaleStateMonitor(opt, reset="theory", underflow_guard=True, warmup_steps=2)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, device=device) * 1e-2
+        opt.step()
+    engine = monitor._attached[0].engine
+    created = [*engine.totals.values(), *engine.last.values(), *(s.values for s in engine._shadows)]
+    created += [t for batches in engine._batches.values() for b in batches for t in (b.last, b.rows, b.weights)]
+    assert created and all(t.device == device for t in created)
+    metrics = monitor.compute()
+    assert 0.0 <= metrics["stale/v/frac"] <= 1.0
+    monitor.close()

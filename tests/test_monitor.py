@@ -1,0 +1,125 @@
+"""StaleStateMonitor in a plain PyTorch loop: metrics equal an independent count, close() detaches, state_dict()
+round-trips to the same numbers as an uninterrupted run, and an error inside a hook never stops training."""
+
+from __future__ import annotations
+
+import copy
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from torch import nn
+
+from lightning_stale import StaleStateMonitor
+from lightning_stale.monitor import StaleStateInternalWarning
+
+
+def model_and_optimizer(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8))
+    return model, bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=256)
+
+
+def train(model, optimizer, steps: int, start: int = 0) -> None:
+    g = torch.Generator().manual_seed(1000 + start)
+    for _ in range(steps):
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_compute_equals_an_independent_count_over_the_window():
+    model, opt = model_and_optimizer()
+    stalled = counted = 0
+    before = {}
+
+    def pre(o, args, kwargs):
+        before.clear()
+        before.update({p: o.state[p]["state2"].clone() for p in o.state if o.state[p]})
+
+    def post(o, args, kwargs):
+        nonlocal stalled, counted
+        for p, old in before.items():
+            mask = (p.grad != 0) & torch.isfinite(p.grad)
+            stalled += int(((o.state[p]["state2"] == old) & mask).sum())
+            counted += int(mask.sum())
+
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(post)
+    monitor = StaleStateMonitor(opt, track="exact", names=model, log_per_param=True)
+    train(model, opt, 3)
+    monitor.compute()  # closes the first window
+    stalled = counted = 0
+    train(model, opt, 7, start=3)
+    metrics = monitor.compute()
+    assert metrics["stale/v/frac"] == pytest.approx(stalled / counted, rel=1e-12)
+    assert 0 < metrics["stale/v/frac"] < 1
+    assert {"stale/m/frac", "stale/v/drift", "stale/v/underflow", "stale/v/predicted"} <= set(metrics)
+    assert "stale/0.weight/state2/frac" in metrics  # per-parameter keys use the model's names
+    assert monitor.compute() == {}  # a window with no step has no row
+    monitor.close()
+
+
+def test_close_detaches_and_the_context_manager_closes():
+    model, opt = model_and_optimizer()
+    with StaleStateMonitor(opt) as monitor:
+        train(model, opt, 2)
+    train(model, opt, 3)
+    assert monitor.steps == [2]
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+def test_state_dict_resume_gives_the_uninterrupted_numbers():
+    def fresh():
+        model, opt = model_and_optimizer()
+        return model, opt, StaleStateMonitor(opt, reset="periodic", every=4, sample_size=512, names=model)
+
+    model, opt, monitor = fresh()
+    train(model, opt, 6)
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), copy.deepcopy(monitor.state_dict()))
+    train(model, opt, 6, start=6)
+    expected = monitor.compute()
+
+    model2, opt2, resumed = fresh()
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    resumed.load_state_dict(saved[2])
+    train(model2, opt2, 6, start=6)
+    assert resumed.compute() == expected
+    assert resumed.reset_events == monitor.reset_events == 3
+
+
+class Broken(torch.optim.SGD):
+    """An SGD whose state the registered adapter cannot read (a layout the adapter did not expect)."""
+
+
+def test_an_error_inside_a_hook_is_reported_once_and_training_continues():
+    from lightning_stale import register_adapter
+    from lightning_stale.adapters.torch_optim import TorchSGDAdapter
+
+    class BrokenAdapter(TorchSGDAdapter):
+        def slots(self):
+            raise RuntimeError("unexpected layout")
+
+    register_adapter(Broken, BrokenAdapter)
+    model, _ = model_and_optimizer()
+    opt = Broken(model.parameters(), lr=0.1, momentum=0.9)
+    monitor = StaleStateMonitor(opt)
+    weights = model[0].weight.detach().clone()
+    with pytest.warns(StaleStateInternalWarning, match="unexpected layout") as record:
+        train(model, opt, 3)
+    assert len(record) == 1  # once, not per step
+    assert not torch.equal(weights, model[0].weight)  # the optimizer kept training
+    monitor.close()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"params_per_step": 0}, "`params_per_step` must be a positive int"),
+    ({"coverage_steps": 0}, "`coverage_steps` must be a positive int"),
+    ({"track": "most"}, "`track` must be 'sample' or 'exact'"),
+])
+def test_invalid_options_fail_at_construction(kwargs, match):
+    _, opt = model_and_optimizer()
+    with pytest.raises(ValueError, match=match):
+        StaleStateMonitor(opt, **kwargs)
