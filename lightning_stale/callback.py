@@ -36,8 +36,8 @@ class StaleStateCallback(Callback):
         min_interval: int = 50,
         moments: Sequence[str] = ("m", "v"),
         track: Literal["sample", "exact"] = "sample",
-        sample_size: int = 4096,
-        params_per_step: int = 32,
+        sample_size: int = 512,
+        params_per_step: int = 4,
         track_every: int = 1,
         log_per_param: bool = False,
         log_key_prefix: str = "stale",
@@ -45,13 +45,14 @@ class StaleStateCallback(Callback):
         seed: int = 0,
         underflow_guard: bool = False,
         warmup_steps: int = 0,
+        v_reset: Literal["bounded", "exact-unbounded"] = "bounded",
     ) -> None:
         super().__init__()
         self.options = MonitorOptions(
             reset=reset, every=every, s0=s0, min_interval=min_interval, moments=moments, track=track,
             sample_size=sample_size, params_per_step=params_per_step, track_every=track_every,
             log_per_param=log_per_param, log_key_prefix=log_key_prefix, strict=strict, seed=seed,
-            underflow_guard=underflow_guard, warmup_steps=warmup_steps,
+            underflow_guard=underflow_guard, warmup_steps=warmup_steps, v_reset=v_reset,
         )
         self.policy = self.options.policy
         self.monitor: StaleStateMonitor | None = None

@@ -40,11 +40,13 @@ from torch import Tensor
 from lightning_stale.adapters.base import OptimizerAdapter, Slot
 from lightning_stale.sampling import Sample, choose_sample
 
-STALLED, COUNTED, UNDERFLOW, MEASURED = range(4)  # columns of the per-slot totals
+STALLED, COUNTED, UNDERFLOW, MEASURED = range(4)  # columns of the window's per-slot totals (MEASURED: on the host)
 N_STATS = 4
-DRIFT_PARAMS = 16  # parameters with a drift shadow in sample mode
-DRIFT_SAMPLE = 1024  # shadowed elements per slot
+_PRED_SUM, _PRED_N = 1, 2  # columns of the host per-slot array after MEASURED (0)
+DRIFT_PARAMS = 8  # parameters with a drift shadow in sample mode
+DRIFT_SAMPLE = 128  # shadowed elements per slot
 EXACT_BATCH = 1 << 22  # elements compared in one batch in exact mode (bounds the transient memory)
+PER_SLOT_COUNTS = 1 << 16  # mean sampled elements per parameter above which a batch counts slot by slot
 
 
 @dataclass(eq=False)
@@ -62,9 +64,10 @@ class Unit:
         """The gradient at ``sample`` (a view), or NaN (never counted) when the step had no dense gradient."""
         grad = self.param.grad
         if grad is None or grad.is_sparse or grad.numel() != self.param.numel():
-            key = (sample.numel, self.param.device)
+            key = (sample, self.param.device)
             if key not in placeholders:
-                placeholders[key] = torch.full((sample.numel,), math.nan, device=self.param.device)
+                shape = sample.view(torch.empty(self.param.numel(), device="meta")).shape
+                placeholders[key] = torch.full(shape, math.nan, device=self.param.device)
             return placeholders[key]
         return sample.view(grad)
 
@@ -85,37 +88,49 @@ class Entry:
 
 @dataclass(eq=False)
 class Batch:
-    """The slots of one cohort on one device whose sampled codes are concatenated and compared together."""
+    """Parameters of one cohort whose ``k`` slots have the same layout (device, code dtype, packing, sample shape):
+    their sampled codes are concatenated slot by slot, ``(k, elements)``, and compared against one concatenated
+    gradient sample, ``(elements,)``, that every slot row shares."""
 
-    entries: list[Entry]
+    units: list[Unit]
+    k: int
     packed: bool
-    code_views: list[Tensor]  # strided views of the state: valid while the optimizer keeps its tensors
-    last: Tensor  # index of each slot's last element in the concatenation
-    rows: Tensor  # each slot's row in the totals matrix
-    weights: Tensor  # (n, N_STATS): elements per sampled element; 0 in the underflow column where none is possible
-    zero_codes: Tensor | None  # per element, when some slot's zero code is not 0
-    global_rows: np.ndarray  # each slot's row in the engine's row order (host)
-    positions: np.ndarray  # each slot's unit position (host)
-    is_v: np.ndarray  # each slot is a second moment (host)
+    code_views: list[Tensor]  # k * len(units) strided views of the state, slot-major: valid while tensors are kept
+    lengths: list[int]  # sampled elements per unit
+    last: Tensor  # index of each unit's last element in the concatenation
+    rows: Tensor  # (k * units,) row of each slot in this device's totals matrix, slot-major
+    weights: Tensor  # (k * units, 3): elements per sampled element; 0 for underflow where none is possible
+    zero_codes: Tensor | None  # (k, 1): each row's zero code, only when some zero code is not 0
+    per_slot_counts: bool  # large segments: one count_nonzero per slot is faster than a cumulative sum
+    global_rows: np.ndarray  # (k * units,) rows in the engine's row order (host)
+    positions: np.ndarray  # (k * units,) unit positions (host)
+    is_v: np.ndarray  # (k * units,) second moments (host)
 
     @property
     def device(self) -> torch.device:
         return self.rows.device
 
+    @property
+    def entries(self) -> list[Entry]:
+        return [u.entries[i] for i in range(self.k) for u in self.units]
+
 
 @dataclass(eq=False)
 class Shadow:
-    """fp32 shadow EMAs of the panel slots sharing a device, a moment and a beta, as one flat tensor."""
+    """fp32 shadow EMAs of panel parameters whose slots share a layout (device, sample shape, moments and betas):
+    one row per slot, one gradient concatenation per step for all of them."""
 
-    moment: str
-    beta: float
-    entries: list[Entry]
-    values: Tensor
-    starts: list[int]
+    units: list[Unit]
+    samples: list[Sample]  # the shadowed prefix of each unit's sample
+    rows: list[Entry]  # per unit, its shadowed slots in row order
+    squared: list[bool]  # per row: the EMA averages g**2 (a second moment) rather than g
+    weight: Tensor  # (rows, 1): 1 - beta
+    values: Tensor  # (rows, elements)
+    starts: list[int]  # each unit's first element
 
-    def part(self, i: int) -> Tensor:
-        n = self.entries[i].unit.sample.prefix(DRIFT_SAMPLE).numel
-        return self.values[self.starts[i]:self.starts[i] + n]
+    def part(self, row: int, unit: int) -> Tensor:
+        start = self.starts[unit]
+        return self.values[row, start:start + self.samples[unit].numel]
 
 
 class StallEngine:
@@ -145,14 +160,14 @@ class StallEngine:
         self.entries: dict[str, Entry] = {}
         self.version = 0  # bumped whenever the set of slots is rebuilt
         self.cursor = 0  # measured steps so far: picks the cohort
-        self.totals: dict[torch.device, Tensor] = {}  # per device: (rows on that device, N_STATS) float64
-        self.last: dict[torch.device, Tensor] = {}  # per device: (rows, 2) stalled/counted of the last measurement
-        self.predicted = np.zeros(0)  # per row: sum of the theory's predictions over measured steps (host)
-        self.predicted_n = np.zeros(0, dtype=np.int64)
+        self.keep_last = False  # keep each slot's last (stalled, counted) for measurement-driven policies
+        self.totals: dict[torch.device, Tensor] = {}  # per device: (its rows, 3) weighted stalled/counted/underflow
+        self.last: dict[torch.device, Tensor] = {}  # per device: (its rows, 2) int32, when keep_last
+        self.host = np.zeros((0, 3))  # per row: measured steps, sum and count of the theory's predictions
         self.cohorts: list[list[Unit]] = []
         self._batches: dict[int, list[Batch]] = {}
         self._shadows: list[Shadow] = []
-        self._shadow_of: dict[str, tuple[Shadow, int]] = {}
+        self._shadow_of: dict[str, tuple[Shadow, int, int]] = {}  # slot key -> (shadow, row, unit index)
         self._restored: dict[str, Any] = {}
         self._prev: list[Tensor] | None = None
         self._prev_cohort = -1
@@ -176,7 +191,8 @@ class StallEngine:
         self._n_state, self._state = len(state), state
         self._empty = [p for p, s in state.items() if not s]  # entries someone created empty (a defaultdict read)
         position = {id(p): i for i, p in enumerate(p for g in self.adapter.optimizer.param_groups for p in g["params"])}
-        old_entries, old_shadows = self.entries, {k: s.part(i).clone() for k, (s, i) in self._shadow_of.items()}
+        old_entries = self.entries
+        old_shadows = {k: s.part(row, i).clone() for k, (s, row, i) in self._shadow_of.items()}
         units: dict[int, Unit] = {}
         entries: dict[str, Entry] = {}
         slots = sorted(self.adapter.slots(), key=lambda s: position[id(s.param)])
@@ -210,8 +226,8 @@ class StallEngine:
         rows: dict[torch.device, list[Entry]] = {}
         for entry in new.values():
             rows.setdefault(entry.slot.param.device, []).append(entry)
-        totals = {d: torch.zeros(len(g), N_STATS, dtype=torch.float64, device=d) for d, g in rows.items()}
-        predicted, predicted_n = np.zeros(len(new)), np.zeros(len(new), dtype=np.int64)
+        totals = {d: torch.zeros(len(g), 3, dtype=torch.float64, device=d) for d, g in rows.items()}
+        host = np.zeros((len(new), 3))
         restored = self._restored.get("totals", {})
         for device, group in rows.items():
             for local, entry in enumerate(group):
@@ -219,14 +235,14 @@ class StallEngine:
                 if previous is not None and previous.key in self._where:
                     where_device, where_row = self._where[previous.key]
                     totals[device][local] = self.totals[where_device][where_row]
-                    predicted[entry.row] = self.predicted[previous.row]
-                    predicted_n[entry.row] = self.predicted_n[previous.row]
+                    host[entry.row] = self.host[previous.row]
                 elif entry.key in restored:
                     saved = restored.pop(entry.key)
                     totals[device][local] = saved["totals"].to(totals[device])
-                    predicted[entry.row], predicted_n[entry.row] = saved["predicted"]
-        self.totals, self.predicted, self.predicted_n = totals, predicted, predicted_n
-        self.last = {d: torch.zeros(len(g), 2, dtype=torch.float64, device=d) for d, g in rows.items()}
+                    host[entry.row] = saved["host"]
+        self.totals, self.host = totals, host
+        self.last = {d: torch.zeros(len(g), 2, dtype=torch.int32, device=d) for d, g in rows.items()} \
+            if self.keep_last else {}
         self._where = {e.key: (d, local) for d, g in rows.items() for local, e in enumerate(g)}
         self._device_rows = {d: [e.row for e in g] for d, g in rows.items()}
 
@@ -240,64 +256,68 @@ class StallEngine:
     def _plan(self, cohort: int) -> list[Batch]:
         """The batches of one cohort (built on first use, then reused until the slots change)."""
         if cohort not in self._batches:
-            groups: dict[tuple[torch.device, bool], list[list[Entry]]] = {}
+            groups: dict[tuple, list[list[Unit]]] = {}
             for unit in self.cohorts[cohort]:
-                for entry in unit.entries:
-                    batches = groups.setdefault((entry.slot.param.device, entry.slot.packed), [[]])
-                    if batches[-1] and sum(e.unit.sample.numel for e in batches[-1]) >= EXACT_BATCH:
-                        batches.append([])
-                    batches[-1].append(entry)
-            self._batches[cohort] = [self._batch(group, packed)
-                                     for (_, packed), split in groups.items() for group in split]
+                # Code dtypes may differ (torch.cat promotes them exactly: uint8 and int16 codes widen to int32).
+                # Parameters with the common sample size form their own batch: equal segments sum without a scan.
+                layout = (unit.param.device, unit.sample.full, unit.sample.numel == self.sample_size,
+                          tuple(e.slot.packed for e in unit.entries))
+                split = groups.setdefault(layout, [[]])
+                if split[-1] and sum(u.sample.numel for u in split[-1]) >= EXACT_BATCH:
+                    split.append([])
+                split[-1].append(unit)
+            self._batches[cohort] = [self._batch(units) for split in groups.values() for units in split]
         return self._batches[cohort]
 
-    def _batch(self, entries: list[Entry], packed: bool) -> Batch:
-        device = entries[0].slot.param.device
-        lengths = [e.unit.sample.numel for e in entries]
-        ends = torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64, device=device)
-        rows = torch.tensor([self._where[e.key][1] for e in entries], dtype=torch.int64, device=device)
-        weights = []
-        zeros = []
-        for entry, n in zip(entries, lengths):
-            w = entry.slot.param.numel() / n
-            zero = entry.slot.zero_code() if entry.moment == "v" else None
-            zeros.append(zero)
-            weights.append([w, w, w if zero is not None else 0.0, 1.0])
+    def _batch(self, units: list[Unit]) -> Batch:
+        device, k = units[0].param.device, len(units[0].entries)
+        lengths = [u.sample.numel for u in units]
+        entries = [u.entries[i] for i in range(k) for u in units]
+        zeros = [e.slot.zero_code() if e.moment == "v" else None for e in units[0].entries]  # one layout per row
+        weights = [[w, w, w if zeros[i // len(units)] is not None else 0.0]
+                   for i, w in enumerate(e.slot.param.numel() / e.unit.sample.numel for e in entries)]
         zero_codes = None
-        if any(z not in (0, None) for z in zeros):
-            per_slot = torch.tensor([0 if z is None else z for z in zeros], device=device)
-            zero_codes = torch.repeat_interleave(per_slot, torch.tensor(lengths, device=device))
-        return Batch(entries, packed, [e.slot.sampled_codes(e.unit.sample) for e in entries], ends, rows,
-                     torch.tensor(weights, dtype=torch.float64, device=device), zero_codes,
-                     np.array([e.row for e in entries], dtype=np.int64),
-                     np.array([e.unit.position for e in entries], dtype=np.int64),
-                     np.array([e.moment == "v" for e in entries], dtype=bool))
+        if any(zeros):
+            zero_codes = torch.tensor([[z or 0] for z in zeros], device=device)
+        return Batch(
+            units, k, units[0].entries[0].slot.packed,
+            [e.slot.sampled_codes(e.unit.sample) for e in entries], lengths,
+            torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64, device=device),
+            torch.tensor([self._where[e.key][1] for e in entries], dtype=torch.int64, device=device),
+            torch.tensor(weights, dtype=torch.float64, device=device), zero_codes,
+            sum(lengths) / len(lengths) >= PER_SLOT_COUNTS,
+            np.array([e.row for e in entries], dtype=np.int64),
+            np.array([e.unit.position for e in entries], dtype=np.int64),
+            np.array([e.moment == "v" for e in entries], dtype=bool))
 
     def _build_shadows(self, old: dict[str, Tensor], old_entries: dict[str, Entry], fresh_state: bool) -> None:
         candidates = [u for u in self.units if u.sample.count > 0 and any(e.slot.beta is not None for e in u.entries)]
         if not self.exact:
             candidates = sorted(candidates, key=lambda u: zlib.crc32(u.key.encode()))[:DRIFT_PARAMS]
             candidates.sort(key=lambda u: u.index)
-        groups: dict[tuple, list[Entry]] = {}
+        groups: dict[tuple, list[Unit]] = {}
         for unit in candidates:
-            for entry in unit.entries:
-                if entry.slot.beta is not None:
-                    groups.setdefault((entry.slot.param.device, entry.moment, entry.slot.beta), []).append(entry)
+            layout = tuple((e.moment, e.slot.beta) for e in unit.entries if e.slot.beta is not None)
+            groups.setdefault((unit.param.device, unit.sample.full, layout), []).append(unit)
         restored = self._restored.get("shadows", {})
         self._shadows, self._shadow_of = [], {}
-        for (device, moment, beta), entries in groups.items():
-            lengths = [e.unit.sample.prefix(DRIFT_SAMPLE).numel for e in entries]
-            shadow = Shadow(moment, beta, entries, torch.zeros(sum(lengths), device=device),
-                            [int(s) for s in np.cumsum([0] + lengths[:-1])])
+        for (device, _, layout), units in groups.items():
+            samples = [u.sample.prefix(DRIFT_SAMPLE) for u in units]
+            lengths = [s.numel for s in samples]
+            shadow = Shadow(units, samples, [], [m == "v" for m, _ in layout],
+                            torch.tensor([[1.0 - b] for _, b in layout], device=device),
+                            torch.zeros(len(layout), sum(lengths), device=device),
+                            [int(x) for x in np.cumsum([0] + lengths[:-1])])
             self._shadows.append(shadow)
-            for i, entry in enumerate(entries):
-                self._shadow_of[entry.key] = (shadow, i)
-                if entry.key in old:
-                    shadow.part(i).copy_(old[entry.key])
-                elif entry.key in restored:
-                    shadow.part(i).copy_(restored.pop(entry.key))
-                elif not (fresh_state and entry.key not in old_entries):
-                    self.resync(entry)
+            for i, unit in enumerate(units):
+                for row, entry in enumerate(e for e in unit.entries if e.slot.beta is not None):
+                    self._shadow_of[entry.key] = (shadow, row, i)
+                    if entry.key in old:
+                        shadow.part(row, i).copy_(old[entry.key])
+                    elif entry.key in restored:
+                        shadow.part(row, i).copy_(restored.pop(entry.key))
+                    elif not (fresh_state and entry.key not in old_entries):
+                        self.resync(entry)
 
     # -- the step ----------------------------------------------------------------------------------------------------
     def before_step(self, measure: bool) -> None:
@@ -317,60 +337,70 @@ class StallEngine:
         measured on this step."""
         if self.refresh(fresh_state=True):
             self._prev = None  # slots appeared during the step: this step has nothing to compare against
-        grads: dict[tuple[int, Sample], Tensor] = {}
-        self._update_shadows(grads)
+        self._update_shadows()
         if self._prev is None:
             return []
         measured = self._plan(self._prev_cohort)
         for batch, prev in zip(measured, self._prev):
-            self._count(batch, prev, grads)
+            self._count(batch, prev)
+            self.host[batch.global_rows, 0] += 1
         self._prev = None
         self.cursor += 1
         return measured
 
-    def _grad(self, unit: Unit, sample: Sample, grads: dict) -> Tensor:
-        key = (unit.index, sample)
-        if key not in grads:
-            grads[key] = unit.grad_view(sample, self._placeholders)
-        return grads[key]
-
-    def _count(self, batch: Batch, prev: Tensor, grads: dict) -> None:
-        new = torch.cat(batch.code_views)
-        if batch.packed:
-            new, prev = _unpack(new), _unpack(prev)
-        grad = torch.cat([self._grad(e.unit, e.unit.sample, grads) for e in batch.entries])
+    def _count(self, batch: Batch, prev: Tensor) -> None:
+        new = _flat_codes(torch.cat(batch.code_views), batch.packed).view(batch.k, -1)
+        prev = _flat_codes(prev, batch.packed).view(batch.k, -1)
+        grad = torch.cat([u.grad_view(u.sample, self._placeholders) for u in batch.units]).reshape(-1)
         magnitude = grad.abs()
         counted = (magnitude > 0).logical_and_(magnitude < math.inf)  # NaN compares false: not counted
         stalled = (new == prev).logical_and_(counted)
+        # zero codes on every row; the weights drop the rows that cannot underflow (first moments, zero-free grids)
         zero = (new == (0 if batch.zero_codes is None else batch.zero_codes)).logical_and_(counted)
-        sums = _segment_sums(torch.stack([stalled, counted, zero], dim=1), batch.last)
-        stats = torch.cat([sums.double(), torch.ones_like(sums[:, :1], dtype=torch.float64)], dim=1)
-        self.totals[batch.device].index_add_(0, batch.rows, stats.mul_(batch.weights))
-        self.last[batch.device].index_copy_(0, batch.rows, sums[:, :2].double())
+        sums = self._segments(torch.stack([stalled, counted.expand_as(stalled), zero], dim=-2), batch)
+        sums = sums.permute(0, 2, 1).reshape(-1, 3)  # (k * units, stalled/counted/underflow), slot-major like rows
+        self.totals[batch.device].index_add_(0, batch.rows, sums.double().mul_(batch.weights))
+        if self.keep_last:
+            self.last[batch.device].index_copy_(0, batch.rows, sums[:, :2].contiguous())
 
-    def _update_shadows(self, grads: dict) -> None:
+    @staticmethod
+    def _segments(mask: Tensor, batch: Batch) -> Tensor:
+        """Per-parameter true counts of a (..., elements) bool mask: (..., parameters) int32, with one reshaped sum
+        (all segments equal), one count per parameter (large segments) or one cumulative sum."""
+        if len(set(batch.lengths)) == 1:  # equal segments: a reshaped sum
+            return mask.view(torch.uint8).unflatten(-1, (len(batch.lengths), -1)).sum(-1, dtype=torch.int32)
+        if batch.per_slot_counts:  # large segments: one count each is faster than a scan
+            parts = mask.split(batch.lengths, dim=-1)
+            return torch.stack([torch.count_nonzero(part, dim=-1) for part in parts], -1).int()
+        cumulative = torch.cumsum(mask, dim=-1, dtype=torch.int32).index_select(-1, batch.last)
+        return torch.diff(cumulative, dim=-1, prepend=torch.zeros_like(cumulative[..., :1]))
+
+    def _update_shadows(self) -> None:
         for shadow in self._shadows:
-            grad = torch.cat([self._grad(e.unit, e.unit.sample.prefix(DRIFT_SAMPLE), grads) for e in shadow.entries])
-            grad = grad.float()
-            signal = grad if shadow.moment == "m" else grad * grad
-            moved = torch.lerp(shadow.values, signal, 1.0 - shadow.beta)
-            shadow.values.copy_(torch.where(torch.isfinite(grad), moved, shadow.values))
+            grad = torch.cat([u.grad_view(sample, self._placeholders) for u, sample in zip(shadow.units, shadow.samples)])
+            grad = grad.reshape(-1).float()
+            signal = torch.stack([grad * grad if squared else grad for squared in shadow.squared])
+            signal = torch.where(grad.abs() < math.inf, signal, shadow.values)  # NaN/Inf: the EMA stays put
+            shadow.values.lerp_(signal, shadow.weight)
+
+    def _shadow_positions(self, entry: Entry) -> Tensor:
+        shadow, _, i = self._shadow_of[entry.key]
+        return shadow.samples[i].positions(entry.slot.param.device)
 
     def resync(self, entry: Entry) -> None:
         """Restart a slot's shadow from its stored value (exactly zero right after a full reset)."""
         if entry.key in self._shadow_of:
-            shadow, i = self._shadow_of[entry.key]
-            index = entry.unit.sample.prefix(DRIFT_SAMPLE).positions(entry.slot.param.device)
-            shadow.part(i).copy_(entry.slot.value_at(index).float())
+            shadow, row, i = self._shadow_of[entry.key]
+            shadow.part(row, i).copy_(entry.slot.value_at(self._shadow_positions(entry)).float())
 
     def add_predictions(self, rows: np.ndarray, values: np.ndarray) -> None:
         """Add the theory's predicted stall of this step to the slots at ``rows`` (host arrays, no device work)."""
-        np.add.at(self.predicted, rows, values)
-        np.add.at(self.predicted_n, rows, 1)
+        np.add.at(self.host[:, _PRED_SUM], rows, values)
+        np.add.at(self.host[:, _PRED_N], rows, 1)
 
     # -- readouts ----------------------------------------------------------------------------------------------------
     def last_fractions(self, entries: list[Entry]) -> list[float]:
-        """Stall fraction of each slot's last measurement (one host synchronisation)."""
+        """Stall fraction of each slot's last measurement (one host synchronisation; needs ``keep_last``)."""
         out = []
         host = {device: last.cpu() for device, last in self.last.items()}
         for entry in entries:
@@ -380,24 +410,23 @@ class StallEngine:
         return out
 
     def window(self) -> dict[str, Tensor]:
-        """Per-slot totals since the previous call, on the host (the call starts a new window): a (rows, N_STATS)
-        float64 tensor ``totals`` in row order and ``predicted`` (sum, n) per row."""
+        """Per-slot totals since the previous call, on the host (the call starts a new window): ``totals`` (rows,
+        N_STATS) float64 in row order, and ``predicted`` (sum, count) per row."""
         totals = torch.zeros(len(self.entries), N_STATS, dtype=torch.float64)
         for device, local in self.totals.items():
-            totals[self._device_rows[device]] = local.cpu()
+            totals[self._device_rows[device], :MEASURED] = local.cpu()
             local.zero_()
-        predicted = torch.from_numpy(np.stack([self.predicted, self.predicted_n.astype(np.float64)], axis=1))
-        self.predicted[:] = 0.0
-        self.predicted_n[:] = 0
+        totals[:, MEASURED] = torch.from_numpy(self.host[:, 0])
+        predicted = torch.from_numpy(self.host[:, 1:].copy())
+        self.host[:] = 0.0
         return {"totals": totals, "predicted": predicted}
 
     def drift(self) -> dict[str, float]:
         """Drift of each shadowed slot (median stored/shadow for v, relative L2 error for m), by slot key."""
         out = {}
-        for key, (shadow, i) in self._shadow_of.items():
-            entry = shadow.entries[i]
-            index = entry.unit.sample.prefix(DRIFT_SAMPLE).positions(entry.slot.param.device)
-            stored, reference = entry.slot.value_at(index).float(), shadow.part(i)
+        for key, (shadow, row, i) in self._shadow_of.items():
+            entry = self.entries[key]
+            stored, reference = entry.slot.value_at(self._shadow_positions(entry)).float(), shadow.part(row, i)
             if entry.moment == "v":
                 ok = reference > 0
                 value = float((stored[ok] / reference[ok]).median()) if bool(ok.any()) else math.nan
@@ -410,19 +439,18 @@ class StallEngine:
 
     def drift_weight(self, key: str) -> int:
         """Shadowed elements of a slot (the weight of its drift in aggregates)."""
-        shadow, i = self._shadow_of[key]
-        return shadow.entries[i].unit.sample.prefix(DRIFT_SAMPLE).numel
+        shadow, _, i = self._shadow_of[key]
+        return shadow.samples[i].numel
 
     def resident_bytes(self) -> int:
         """Bytes the engine keeps between steps: totals, shadows, batch plans (device) and prediction sums (host)."""
-        tensors = [*self.totals.values(), *self.last.values(), *(s.values for s in self._shadows)]
+        tensors = [*self.totals.values(), *self.last.values(), *(t for s in self._shadows for t in (s.values, s.weight))]
         for batches in self._batches.values():
             for batch in batches:
                 tensors += [batch.last, batch.rows, batch.weights]
                 if batch.zero_codes is not None:
                     tensors.append(batch.zero_codes)
-        host = self.predicted.nbytes + self.predicted_n.nbytes
-        return sum(t.numel() * t.element_size() for t in tensors) + host
+        return sum(t.numel() * t.element_size() for t in tensors) + self.host.nbytes
 
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -430,9 +458,8 @@ class StallEngine:
         window = {}
         for entry in self.entries.values():
             device, row = self._where[entry.key]
-            window[entry.key] = {"totals": host[device][row].clone(),
-                                 "predicted": (float(self.predicted[entry.row]), int(self.predicted_n[entry.row]))}
-        shadows = {key: s.part(i).cpu().clone() for key, (s, i) in self._shadow_of.items()}
+            window[entry.key] = {"totals": host[device][row].clone(), "host": self.host[entry.row].tolist()}
+        shadows = {key: s.part(row, i).cpu().clone() for key, (s, row, i) in self._shadow_of.items()}
         return {"cursor": self.cursor, "totals": window, "shadows": shadows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -443,13 +470,7 @@ class StallEngine:
         self.entries, self.units, self.totals, self._where = {}, [], {}, {}
 
 
-def _segment_sums(masks: Tensor, last: Tensor) -> Tensor:
-    """Per-segment column sums of the (n, k) bool ``masks`` whose segments end at rows ``last`` (int64, n_seg x k)."""
-    dtype = torch.int32 if masks.shape[0] < 2**31 else torch.int64
-    cumulative = torch.cumsum(masks, dim=0, dtype=dtype).index_select(0, last)
-    return torch.diff(cumulative, dim=0, prepend=torch.zeros_like(cumulative[:1]))
-
-
-def _unpack(packed: Tensor) -> Tensor:
-    """Two 4-bit codes per byte, high nibble first, as one code per element."""
-    return torch.stack([packed >> 4, packed & 0b1111], dim=1).reshape(-1)
+def _flat_codes(codes: Tensor, packed: bool) -> Tensor:
+    """Concatenated sampled codes as one code per element (two 4-bit codes per byte, high nibble first)."""
+    codes = codes.reshape(-1)
+    return torch.stack([codes >> 4, codes & 0b1111], dim=1).reshape(-1) if packed else codes

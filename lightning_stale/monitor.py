@@ -35,6 +35,8 @@ ResetListener = Callable[[torch.optim.Optimizer, list[Slot]], None]
 Reduce = Callable[[Tensor], Tensor]
 STATE_VERSION = 2
 TRACK_MODES = ("sample", "exact")
+V_RESETS = ("bounded", "exact-unbounded")
+POST_RESET_GUARD_STEPS = 30  # steps after a reset during which the underflow guard protects the reset parameters
 
 
 class StaleStateWarning(UserWarning):
@@ -65,8 +67,8 @@ class MonitorOptions:
     min_interval: int = 50
     moments: Sequence[str] = ("m", "v")
     track: str = "sample"
-    sample_size: int = 4096
-    params_per_step: int = 32
+    sample_size: int = 512
+    params_per_step: int = 4
     track_every: int = 1
     log_per_param: bool = False
     log_key_prefix: str = "stale"
@@ -74,6 +76,7 @@ class MonitorOptions:
     seed: int = 0
     underflow_guard: bool = False
     warmup_steps: int = 0
+    v_reset: str = "bounded"
     policy: ResetPolicy | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -91,6 +94,8 @@ class MonitorOptions:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"`seed` must be an int, got {self.seed!r}")
+        if self.v_reset not in V_RESETS:
+            raise ValueError(f"`v_reset` must be one of {V_RESETS}, got {self.v_reset!r}")
         self.policy = make_policy(self.reset, self.every, self.s0, self.min_interval, check_moments(self.moments))
 
 
@@ -108,6 +113,7 @@ class _Attached:
     curve_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # per unit, -1 for none
     pending: set[int] = field(default_factory=set)  # unit positions waiting for a grid estimate
     warming: dict[int, Tensor] = field(default_factory=dict)  # parameters before a warm-up step
+    adopted: int = -1  # the engine version whose units the schedule holds
     announced: bool = False
 
     @property
@@ -152,9 +158,16 @@ class StaleStateMonitor:
         strict: raise for optimizers without an adapter; ``False`` falls back to a generic adapter with a warning.
         seed: seed of the element sample (ranks may use different seeds: counts are summed across ranks).
         underflow_guard: after every real step, zero the first moment of elements whose stored second moment is
-            exactly zero while m is not (see :mod:`lightning_stale.guard`).
+            exactly zero while m is not (see :mod:`lightning_stale.guard`). Whatever this says, the parameters a
+            reset touched are guarded for the next ``POST_RESET_GUARD_STEPS`` steps.
         warmup_steps: after a reset, scale the next ``warmup_steps`` updates of the reset parameters by
             ``i / warmup_steps`` (SPAM-style).
+        v_reset: how a v-only reset (``moments=("v",)``) restarts v. ``"bounded"`` (default) keeps m and writes v so
+            that the next update is at most about lr (see :mod:`lightning_stale.adapters.restart`).
+            ``"exact-unbounded"`` is the paper's exact asymmetric reset on optimizers with one age per moment
+            (``QuantizedAdamW``): v and its age restart from zero while m is kept, so the next update is
+            ``lr * m_hat / |g|`` per element, unbounded where the new gradient is small (2.6e11x lr and NaN losses
+            measured on fp8 states). Other optimizers always use the bounded restart.
         names: the model (``named_parameters`` gives the names) or a mapping name -> parameter, for readable
             per-parameter keys and messages.
         reduce: sums a float64 tensor across processes (every rank calls :meth:`compute` at the same steps). Default:
@@ -287,8 +300,7 @@ class StaleStateMonitor:
             a.engine.load_state_dict(s["engine"])
             a.schedule.load_state_dict(s["schedule"])
             a.schedule.sync([])
-            a.curves, a.curve_of, a.pending = [], np.zeros(0, dtype=np.int64), set()
-            self._adopt(a)
+            a.curves, a.curve_of, a.pending, a.adopted = [], np.zeros(0, dtype=np.int64), set(), -1
 
     # -- attaching ---------------------------------------------------------------------------------------------------
     def _attach(self, index: int, source: object, coverage_steps: int) -> _Attached:
@@ -296,6 +308,7 @@ class StaleStateMonitor:
         adapter = adapters.adapter_for(source, strict=options.strict)
         engine = StallEngine(adapter, f"opt{index}", options.track == "exact", options.sample_size,
                              options.params_per_step, max(1, coverage_steps // options.track_every), options.seed)
+        engine.keep_last = self.policy is not None and self.policy.needs_measurement
         attached = _Attached(source, adapter, engine)
         self._handles.append(adapter.optimizer.register_step_pre_hook(lambda *_: self._guarded(self._before, attached)))
         self._handles.append(adapter.optimizer.register_step_post_hook(lambda *_: self._guarded(self._after, attached)))
@@ -337,6 +350,8 @@ class StaleStateMonitor:
         self._adopt(a)
         if self.options.underflow_guard:
             guard.guard_underflow(e.slot for e in a.engine.entries.values())
+        elif a.schedule.guarding:
+            guard.guard_underflow(s for unit in a.schedule.guarded() for s in unit.slots)
         if measured:
             self._estimate_pending(a, measured)
             self._predict(a, measured)
@@ -361,9 +376,9 @@ class StaleStateMonitor:
     # -- parameters appearing ----------------------------------------------------------------------------------------
     def _adopt(self, a: _Attached) -> None:
         """Align the schedule with the engine's units; give new parameters their rho-hat and period."""
-        if len(a.schedule.units) == len(a.engine.units) and all(
-                u._unit is e for u, e in zip(a.schedule.units, a.engine.units)):
+        if a.adopted == a.engine.version:
             return
+        a.adopted = a.engine.version
         new = a.schedule.sync(a.engine.units)
         curve_of = np.full(len(a.schedule.units), -1, dtype=np.int64)
         a.curve_of = curve_of
@@ -441,14 +456,15 @@ class StaleStateMonitor:
 
     def _reset(self, a: _Attached, units: list[ResetUnit]) -> None:
         moments = self.policy.moments
-        a.adapter.reset(moments=moments, params=[u.param for u in units])
+        reset = a.adapter.reset_exact if self.options.v_reset == "exact-unbounded" else a.adapter.reset
+        reset(moments=moments, params=[u.param for u in units])
         slots = []
         for unit in units:
             for entry in unit.entries:
                 if entry.moment in moments:
                     a.engine.resync(entry)
                     slots.append(entry.slot)
-        a.schedule.record_reset(units, a.steps, self.options.warmup_steps)
+        a.schedule.record_reset(units, a.steps, self.options.warmup_steps, POST_RESET_GUARD_STEPS)
         self.reset_events += 1
         for listener in self._listeners:
             listener(a.optimizer, slots)

@@ -24,12 +24,13 @@ FIELDS: dict[str, tuple[type, float]] = {
     "resets": (np.int64, 0),
     "last_reset_step": (np.int64, -1),
     "warmup_left": (np.int64, 0),  # post-reset warm-up steps still to apply
+    "guard_left": (np.int64, 0),  # post-reset steps still under the underflow guard
     "measured": (np.int64, 0),  # measured steps in the current cycle (adaptive policy)
     "accumulator": (np.float64, 0.0),  # sum of excess staleness in the current cycle (adaptive policy)
     "rho": (np.float64, math.nan),  # rho-hat of the driver slot; nan while unknown or not applicable
 }
 # Kept across a resume (measured history); the period is re-derived by the policy configured at resume.
-HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "measured", "accumulator", "rho")
+HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "accumulator", "rho")
 
 
 class ResetUnit:
@@ -90,7 +91,7 @@ def _field(name: str, kind: type) -> property:
     return property(get, set)
 
 
-for _name in ("age", "resets", "last_reset_step", "warmup_left", "measured"):
+for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured"):
     setattr(ResetUnit, _name, _field(_name, int))
 ResetUnit.accumulator = _field("accumulator", float)
 
@@ -135,17 +136,28 @@ class ResetSchedule:
         """One real optimizer step for every parameter."""
         self.arrays["age"] += 1
 
-    def record_reset(self, units: list[ResetUnit], step: int, warmup_steps: int) -> None:
+    def record_reset(self, units: list[ResetUnit], step: int, warmup_steps: int, guard_steps: int) -> None:
         """Restart the cycle of ``units`` after their reset at optimizer step ``step``."""
         rows = np.array([u.position for u in units], dtype=np.int64)
         for name, value in (("age", 0), ("measured", 0), ("accumulator", 0.0), ("warmup_left", warmup_steps),
-                            ("last_reset_step", step)):
+                            ("guard_left", guard_steps), ("last_reset_step", step)):
             self.arrays[name][rows] = value
         self.arrays["resets"][rows] += 1
 
     def warming(self) -> list[ResetUnit]:
         """Parameters inside a post-reset warm-up."""
         return [self.units[i] for i in np.flatnonzero(self.arrays["warmup_left"] > 0)]
+
+    @property
+    def guarding(self) -> bool:
+        """Some parameter is inside its post-reset guard window."""
+        return bool(self.arrays["guard_left"].any())
+
+    def guarded(self) -> list[ResetUnit]:
+        """Parameters inside their post-reset guard window (one step of it is used up per call)."""
+        rows = np.flatnonzero(self.arrays["guard_left"] > 0)
+        self.arrays["guard_left"][rows] -= 1
+        return [self.units[i] for i in rows]
 
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

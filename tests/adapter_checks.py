@@ -86,8 +86,8 @@ def check_slot_reads(adapter: OptimizerAdapter) -> None:
 
 def check_sampled_codes(slot) -> None:
     """The engine's strided sample reads the same codes as the full reader, and the zero code stores zero."""
-    sample = choose_sample("check", slot.param.shape, 37, seed=0, pairs=slot.packed)
-    codes = slot.sampled_codes(sample)
+    sample = choose_sample("check", slot.param.shape, 256, seed=0, pairs=slot.packed)
+    codes = slot.sampled_codes(sample).reshape(-1)
     if slot.packed:
         codes = torch.stack([codes >> 4, codes & 15], dim=1).reshape(-1)
     positions = sample.positions()

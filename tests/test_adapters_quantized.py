@@ -1,4 +1,4 @@
-"""The QuantizedAdamW adapter: slots in every state format, exact per-moment resets, built-in stall counts."""
+"""The QuantizedAdamW adapter: slots in every state format, exact per-moment resets, a bounded v-only restart."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from adapter_checks import (
     check_partial_params,
     check_slot_reads,
     check_survives_load,
+    first_update_ratio,
     make_params,
     run,
     set_grads,
@@ -25,8 +26,11 @@ SHAPES = [(64, 64), (16,)]  # 4096 elements: stored in the format; 16: below min
 FORMATS = ["int8_dynamic", "fp4", "fp8_e4m3", "bf16"]
 
 
+LR = 1e-3
+
+
 def _make(fmt: str):
-    return functools.partial(QuantizedAdamW, lr=1e-3, state_format=fmt)
+    return functools.partial(QuantizedAdamW, lr=LR, state_format=fmt, weight_decay=0.0)
 
 
 def _raw(fmt: str):
@@ -74,15 +78,30 @@ def test_reset_only_chosen_params_and_load() -> None:
     check_survives_load(_make("int8_dynamic"), make_params(SHAPES))
 
 
-def test_v_only_reset_restarts_v_age_only() -> None:
+def test_exact_v_only_reset_restarts_v_age_only() -> None:
     params = make_params(SHAPES)
     opt = _make("int8_dynamic")(params)
     run(opt, params, range(4))
     m = [opt.state[p]["exp_avg"].clone() for p in params]
-    adapter_for(opt).reset(["v"])
+    adapter_for(opt).reset_exact(["v"])
     for p, old in zip(params, m):
         assert float(opt.state[p]["step_v"]) == 0 and float(opt.state[p]["step_m"]) == 4
         assert torch.equal(opt.state[p]["exp_avg"], old)
     assert all(bool((s.value() == 0).all()) for s in adapter_for(opt).slots() if s.moment == "v")
 
 
+@pytest.mark.parametrize("state_format", ["int8_dynamic", "fp8_e4m3", "fp4", "bf16"])
+def test_v_only_reset_is_bounded_by_default_and_the_exact_one_is_not(state_format: str) -> None:
+    make = _make(state_format)
+    bounded = first_update_ratio(make, make_params(SHAPES), LR, lambda opt: adapter_for(opt).reset(["v"]))
+    exact = first_update_ratio(make, make_params(SHAPES), LR, lambda opt: adapter_for(opt).reset_exact(["v"]))
+    assert bounded <= 1.0 + 1e-3  # the next update is at most a first Adam step
+    assert exact > 10 * bounded  # the paper's reset: lr * m_hat / |g| for the small new gradient
+    params = make_params(SHAPES)
+    opt = make(params)
+    run(opt, params, range(4))
+    m = [opt.state[p]["exp_avg"].clone() for p in params]
+    adapter_for(opt).reset(["v"])
+    for p, old in zip(params, m):  # both ages and m kept; v rewritten in place
+        assert float(opt.state[p]["step_v"]) == 4 and float(opt.state[p]["step_m"]) == 4
+        assert torch.equal(opt.state[p]["exp_avg"], old)

@@ -172,7 +172,7 @@ def test_step_work_does_not_grow_with_the_number_of_tensors_and_never_syncs(kind
     large = hooks_cost(256, kind, **options)
     assert small[1] == large[1] == 0, "a host read-back on a non-logging step"
     assert small[0] == large[0], f"kernels per step: {small[0]} with 16 tensors, {large[0]} with 256"
-    assert small[0] <= 48  # about 40 kernels: one cat per batch and device, a few elementwise ops, one index_add_
+    assert small[0] <= 70  # about 20 kernels per layout (here 8-bit weights, fp32 biases) and 10 for drift
 
 
 def test_engine_tensors_live_on_the_state_device(device):

@@ -129,6 +129,11 @@ class OptimizerAdapter(ABC):
         """Reset the chosen moments (None = all) of the chosen params (None = all) in place, bias-correction age
         included, to the state a freshly constructed optimizer would have."""
 
+    def reset_exact(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
+        """The paper's exact per-moment reset where the optimizer keeps one age per moment, even when it is unsafe
+        (a v-only reset then gives an unbounded next update); the same as :meth:`reset` for every other optimizer."""
+        self.reset(moments, params)
+
     def describe(self) -> str:
         """One line for the fit-start summary."""
         return f"{type(self.optimizer).__name__} ({self.family})"

@@ -1,7 +1,12 @@
-"""Adapter for :class:`lightning_stale.optim.QuantizedAdamW`: per-moment ages (exact asymmetric resets).
+"""Adapter for :class:`lightning_stale.optim.QuantizedAdamW`: per-moment ages.
 
 Moments: ``exp_avg`` -> m (beta1), ``exp_avg_sq`` -> v (beta2), each in the format the optimizer reports
 (``moment_format``); the slots read the optimizer's own tensors (``moment_state``).
+
+Resets: both moments (and both ages) restart exactly; m alone restarts exactly with its own age. v alone uses the
+bounded restart of :mod:`.restart` by default, like the shared-step adapters: the paper's exact asymmetric reset (v
+and its age from zero, m kept) makes the next update ``lr * m_hat / |g|`` per element, unbounded where the new
+gradient is small (2.6e11x lr measured on fp8 states), so it runs only through :meth:`reset_exact`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from lightning_stale.adapters.base import (
     Slot,
     resolve_moments,
 )
+from lightning_stale.adapters.restart import restarted_v, round_up_blockwise, round_up_float, round_up_fp8_blockwise
 from lightning_stale.formats import QuantizedState, StateFormat
 from lightning_stale.formats.fp4 import pack
 from lightning_stale.formats.int8_dynamic import BLOCK_SIZE as INT8_BLOCK
@@ -57,7 +63,8 @@ def format_slot(p: Tensor, moment: Moment, beta: float, fmt: StateFormat, q: Qua
 
 
 class QuantizedAdamWAdapter(OptimizerAdapter):
-    """Exact per-moment resets through ``reset_moments``."""
+    """Exact resets of both moments or of m (``reset_moments``); a bounded v-only restart (``reset_exact``: the
+    paper's unbounded one)."""
 
     family = "lightning_stale"
     exact_moment_reset = True
@@ -72,7 +79,52 @@ class QuantizedAdamWAdapter(OptimizerAdapter):
 
     def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
         chosen = resolve_moments(moments)
+        if chosen != {"v"}:
+            self.reset_exact(moments, params)
+            return
+        for group, p, state in self.stepped(params):
+            self.restart_v(group, p, state)
+
+    def reset_exact(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
+        """The paper's per-moment reset, v-only included (unbounded first update: see the module docstring)."""
+        chosen = resolve_moments(moments)
         self.optimizer.reset_moments(tuple(m for m in MOMENTS if m in chosen), params)
+
+    @torch.no_grad()
+    def restart_v(self, group: dict, p: Tensor, state: dict) -> None:
+        """Keep m and both ages; write v so that the next update is bounded (see :mod:`.restart`)."""
+        step_m, step_v = int(state["step_m"]), int(state["step_v"])
+        if step_v == 0 or step_m == 0:
+            self.optimizer.reset_moments(("v",), [p])
+            return
+        beta1, beta2 = group["betas"]
+        m_format = self.optimizer.moment_format(p, "m")
+        m_hat = m_format.dequantize(self.optimizer.moment_state(p, "m")).reshape(-1) / (1.0 - beta1**step_m)
+        target = restarted_v(m_hat, None if p.grad is None else p.grad.reshape(-1), step_v, beta2)
+        write_rounded_up(self.optimizer.moment_format(p, "v"), self.optimizer.moment_state(p, "v"), target)
+
+
+def write_rounded_up(fmt: StateFormat, q: QuantizedState, target: Tensor) -> None:
+    """Store the non-negative fp32 ``target`` into ``q`` in place, every value rounded up onto the format's grid
+    (so quantization cannot undo a bound, and no positive value becomes zero)."""
+    if q.scale is None:
+        q.codes.view(-1).copy_(round_up_float(target, q.codes.dtype))
+    elif fmt.name == "fp8_e4m3":
+        codes, scale = round_up_fp8_blockwise(target.reshape(-1), target.numel())
+        q.codes.view(-1).copy_(codes.reshape(-1))
+        q.scale.copy_(scale.reshape(q.scale.shape))
+    elif fmt.name in ("int8_dynamic", "fp4"):
+        grid = dynamic_map(False) if fmt.name == "int8_dynamic" else fp4_values(fmt)
+        block = INT8_BLOCK if fmt.name == "int8_dynamic" else FP4_BLOCK
+        codes, absmax = round_up_blockwise(target, grid.to(target.device), block)
+        q.scale.copy_(absmax.clamp_min(1e-12))
+        if fmt.name == "int8_dynamic":
+            q.codes.view(-1).copy_(codes)
+        else:
+            padded = torch.cat([codes, codes.new_zeros(codes.numel() % 2)])
+            q.codes.copy_(pack(padded))
+    else:
+        raise TypeError(f"QuantizedAdamW adapter: no rounded-up writer for state format {fmt.name!r}")
 
 
 ADAPTERS = {QuantizedAdamW: QuantizedAdamWAdapter}

@@ -1,0 +1,127 @@
+"""The same checks on every device (``cpu`` always, ``cuda`` when present): a full Trainer fit with bitsandbytes
+AdamW8bit and theory resets, every adapter's full and v-only reset, the underflow guard, and QuantizedAdamW eager and
+compiled. On a GPU machine ``pytest -k cuda`` runs the CUDA half (``benchmarks/gpu_check.py`` does)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_stale import StaleStateCallback, StaleStateMonitor
+from lightning_stale.adapters import adapter_for
+from lightning_stale.guard import guard_underflow
+from lightning_stale.optim import QuantizedAdamW
+
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+
+
+def optimizer(kind: str, params):
+    if kind == "bnb":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=1e-3, min_8bit_size=256)
+    if kind == "torch":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if kind == "torchao":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(params, lr=1e-3)
+    return QuantizedAdamW(params, lr=1e-3, state_format=kind.split(":")[1], min_quantized_size=256, compile=False)
+
+
+def steps(model: nn.Module, opt, n: int, device) -> None:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        x = torch.randn(16, 64, generator=g).to(device)
+        nn.functional.mse_loss(model(x), x[:, :16]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 16))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(256, 64, generator=g), torch.randn(256, 16, generator=g)),
+                          batch_size=8)
+
+    def configure_optimizers(self):
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(self.parameters(), lr=1e-3, betas=(0.9, 0.985), min_8bit_size=256)  # K* ~ 85
+
+
+def test_trainer_fit_with_bitsandbytes_and_theory_resets(tmp_path, device):
+    callback = StaleStateCallback(reset="theory", underflow_guard=True, warmup_steps=2)
+    resets: list[int] = []
+    callback.add_reset_listener(lambda opt, slots: resets.append(callback.monitor.steps[0]))
+    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=30, accelerator=device.type, devices=1, logger=False,
+                        log_every_n_steps=5, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback])
+    model = Regression()
+    trainer.fit(model)
+    assert trainer.global_step == 30 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert 0.0 <= float(trainer.callback_metrics["stale/v/frac"]) <= 1.0
+    assert set(callback.reset_periods().values()) - {None}, "no parameter got a theory period"
+
+
+KINDS = ["bnb", "torch", "qadamw:int8_dynamic", "qadamw:fp8_e4m3", "qadamw:fp4"] + (["torchao"] if HAS_TORCHAO else [])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("moments", [("m", "v"), ("v",)], ids=["full", "v-only"])
+def test_resets_in_place_on_the_device(kind, moments, device):
+    if kind == "torchao" and device.type == "cpu":
+        pytest.skip("torchao's CPU step compiles for minutes; covered by tests/test_adapters_torchao.py")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 16)).to(device)
+    opt = optimizer(kind, model.parameters())
+    steps(model, opt, 3, device)
+    pointers = {k: v.data_ptr() for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor)}
+    adapter = adapter_for(opt)
+    adapter.reset(moments)
+    for slot in adapter.slots():
+        assert slot.codes().device.type == device.type
+        if slot.moment in moments and moments == ("m", "v"):
+            assert bool((slot.value() == 0).all()), slot.key
+    after = {k: v.data_ptr() for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor)}
+    assert after == pointers  # in place: nobody's references went stale
+    steps(model, opt, 2, device)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_underflow_guard_on_the_device(device):
+    model = nn.Linear(64, 256).to(device)
+    opt = QuantizedAdamW(model.parameters(), state_format="fp8_e4m3", min_quantized_size=256)
+    model.weight.grad = torch.zeros_like(model.weight)
+    model.weight.grad[0, 0] = 1e3  # one huge element: the per-tensor fp8 scale flushes the others' v to zero
+    model.weight.grad[1:] = 1e-2  # m stays representable, v = (1 - b2) g**2 flushes to zero
+    model.bias.grad = torch.ones_like(model.bias)
+    opt.step()
+    zeroed = guard_underflow(adapter_for(opt).slots())
+    assert zeroed.device.type == device.type and int(zeroed) > 0
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_quantized_adamw_with_the_monitor(compile, device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 16)).to(device)
+    opt = QuantizedAdamW(model.parameters(), state_format="bf16", min_quantized_size=256, compile=compile)
+    monitor = StaleStateMonitor(opt, track="exact", reset="periodic", every=3)
+    steps(model, opt, 7, device)
+    metrics = monitor.compute()
+    assert 0.0 <= metrics["stale/v/frac"] <= 1.0 and monitor.reset_events == 2
+    monitor.close()
