@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_stale import _compat
+from lightning_stale._compat import rank_zero_info
 from lightning_stale.adapters.base import Slot
 from lightning_stale.monitor import MonitorOptions, ResetListener, StaleStateMonitor
 from lightning_stale.policies import ResetPolicy
@@ -55,14 +56,18 @@ class StaleStateCallback(Callback):
             underflow_guard=underflow_guard, warmup_steps=warmup_steps, v_reset=v_reset,
         )
         self.policy = self.options.policy
+        self.from_environment = False  # created by the LIGHTNING_STALE entry point (an explicit callback wins)
         self.monitor: StaleStateMonitor | None = None
         self._listeners: list[ResetListener] = []
         self._pending_state: dict[str, Any] | None = None
         self._trainer: Trainer | None = None
+        self._disabled = False
 
     # -- public extension points ------------------------------------------------------------------------------------
     @property
     def state_key(self) -> str:
+        if self.from_environment:
+            return self._generate_state_key(prefix=self.options.log_key_prefix, source="LIGHTNING_STALE")
         return self._generate_state_key(prefix=self.options.log_key_prefix)
 
     @property
@@ -91,6 +96,12 @@ class StaleStateCallback(Callback):
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._disabled = self.from_environment and any(
+            isinstance(cb, StaleStateCallback) and not cb.from_environment for cb in trainer.callbacks)
+        if self._disabled:
+            rank_zero_info("[lightning_stale] LIGHTNING_STALE is set, but a StaleStateCallback was also passed to the "
+                           "Trainer: the explicit callback is used and the one from the variable does nothing.")
+            return
         strategy = type(trainer.strategy).__name__
         if "DeepSpeed" in strategy or "FSDP" in strategy or "ModelParallel" in strategy:
             raise MisconfigurationException(
@@ -100,6 +111,8 @@ class StaleStateCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._detach()
+        if self._disabled:
+            return
         self._trainer = trainer
         if not trainer.optimizers:
             raise MisconfigurationException("StaleStateCallback needs at least one optimizer (none was configured)")

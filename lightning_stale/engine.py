@@ -101,6 +101,7 @@ class Batch:
     rows: Tensor  # (k * units,) row of each slot in this device's totals matrix, slot-major
     weights: Tensor  # (k * units, 3): elements per sampled element; 0 for underflow where none is possible
     zero_codes: Tensor | None  # (k, 1): each row's zero code, only when some zero code is not 0
+    underflow_rows: list[bool]  # per slot row: a second moment whose grid has a zero (underflow is counted)
     per_slot_counts: bool  # large segments: one count_nonzero per slot is faster than a cumulative sum
     global_rows: np.ndarray  # (k * units,) rows in the engine's row order (host)
     positions: np.ndarray  # (k * units,) unit positions (host)
@@ -284,7 +285,7 @@ class StallEngine:
             [e.slot.sampled_codes(e.unit.sample) for e in entries], lengths,
             torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64, device=device),
             torch.tensor([self._where[e.key][1] for e in entries], dtype=torch.int64, device=device),
-            torch.tensor(weights, dtype=torch.float64, device=device), zero_codes,
+            torch.tensor(weights, dtype=torch.float64, device=device), zero_codes, [z is not None for z in zeros],
             sum(lengths) / len(lengths) >= PER_SLOT_COUNTS,
             np.array([e.row for e in entries], dtype=np.int64),
             np.array([e.unit.position for e in entries], dtype=np.int64),
@@ -349,6 +350,9 @@ class StallEngine:
         return measured
 
     def _count(self, batch: Batch, prev: Tensor) -> None:
+        if batch.per_slot_counts:
+            self._count_large(batch, prev)
+            return
         new = _flat_codes(torch.cat(batch.code_views), batch.packed).view(batch.k, -1)
         prev = _flat_codes(prev, batch.packed).view(batch.k, -1)
         grad = torch.cat([u.grad_view(u.sample, self._placeholders) for u in batch.units]).reshape(-1)
@@ -363,15 +367,37 @@ class StallEngine:
         if self.keep_last:
             self.last[batch.device].index_copy_(0, batch.rows, sums[:, :2].contiguous())
 
+    def _count_large(self, batch: Batch, prev: Tensor) -> None:
+        """:meth:`_count` for large segments (exact mode on big tensors): each slot is compared in place with its part
+        of the snapshot and counted directly, without concatenating the new codes or the gradients."""
+        n = len(batch.units)
+        prev_parts = _flat_codes(prev, batch.packed).view(batch.k, -1).split(batch.lengths, dim=1)  # per parameter
+        masks, n_counted = [], []
+        for unit in batch.units:
+            magnitude = unit.grad_view(unit.sample, self._placeholders).reshape(-1).abs()
+            masks.append((magnitude > 0).logical_and_(magnitude < math.inf))
+            n_counted.append(torch.count_nonzero(masks[-1]))
+        none = n_counted[0].new_zeros(())
+        counts = []
+        for i in range(batch.k):
+            zero = None if batch.zero_codes is None else batch.zero_codes[i]
+            for j, mask in enumerate(masks):
+                new = _flat_codes(batch.code_views[i * n + j], batch.packed)
+                stalled = torch.count_nonzero((new == prev_parts[j][i]).logical_and_(mask))
+                underflow = torch.count_nonzero((new == (0 if zero is None else zero)).logical_and_(mask)) \
+                    if batch.underflow_rows[i] else none
+                counts.append(torch.stack([stalled, n_counted[j], underflow]))
+        sums = torch.stack(counts).int()  # slot-major, like batch.rows
+        self.totals[batch.device].index_add_(0, batch.rows, sums.double().mul_(batch.weights))
+        if self.keep_last:
+            self.last[batch.device].index_copy_(0, batch.rows, sums[:, :2].contiguous())
+
     @staticmethod
     def _segments(mask: Tensor, batch: Batch) -> Tensor:
         """Per-parameter true counts of a (..., elements) bool mask: (..., parameters) int32, with one reshaped sum
-        (all segments equal), one count per parameter (large segments) or one cumulative sum."""
+        (all segments equal) or one cumulative sum."""
         if len(set(batch.lengths)) == 1:  # equal segments: a reshaped sum
             return mask.view(torch.uint8).unflatten(-1, (len(batch.lengths), -1)).sum(-1, dtype=torch.int32)
-        if batch.per_slot_counts:  # large segments: one count each is faster than a scan
-            parts = mask.split(batch.lengths, dim=-1)
-            return torch.stack([torch.count_nonzero(part, dim=-1) for part in parts], -1).int()
         cumulative = torch.cumsum(mask, dim=-1, dtype=torch.int32).index_select(-1, batch.last)
         return torch.diff(cumulative, dim=-1, prepend=torch.zeros_like(cumulative[..., :1]))
 

@@ -7,6 +7,9 @@ the environment variable ``LIGHTNING_STALE`` is set, so installing the package c
 - ``LIGHTNING_STALE=theory`` / ``adaptive``: that reset policy;
 - ``LIGHTNING_STALE=periodic:500``: periodic resets every 500 steps;
 - unset, empty or ``0``: inactive.
+
+A callback passed to the Trainer explicitly wins: the one from the variable then steps aside (with an info line)
+instead of colliding with it.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ def callbacks_from_env() -> list[Callback]:
     from lightning_stale.callback import StaleStateCallback
 
     if spec in ("1", "true", "on", "monitor"):
-        return [StaleStateCallback()]
-    if spec in ("theory", "adaptive"):
-        return [StaleStateCallback(reset=spec)]
-    name, _, every = spec.partition(":")
-    if name == "periodic" and every.isdigit() and int(every) > 0:
-        return [StaleStateCallback(reset="periodic", every=int(every))]
-    raise ValueError(
-        f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not understood; use 1 (monitor), theory, adaptive or periodic:<steps>"
-    )
+        callback = StaleStateCallback()
+    elif spec in ("theory", "adaptive"):
+        callback = StaleStateCallback(reset=spec)
+    else:
+        name, _, every = spec.partition(":")
+        if not (name == "periodic" and every.isdigit() and int(every) > 0):
+            raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not understood; use 1 (monitor), theory, "
+                             "adaptive or periodic:<steps>")
+        callback = StaleStateCallback(reset="periodic", every=int(every))
+    callback.from_environment = True
+    return [callback]

@@ -27,8 +27,8 @@ import lightning_stale.adapters as adapters
 from lightning_stale import guard, metrics, predict
 from lightning_stale._compat import rank_zero_info
 from lightning_stale.adapters.base import OptimizerAdapter, Slot
-from lightning_stale.engine import Batch, StallEngine
-from lightning_stale.policies import ResetPolicy, check_moments, make_policy
+from lightning_stale.engine import Batch, StallEngine, Unit
+from lightning_stale.policies import ResetPolicy, check_min_interval, check_moments, check_s0, make_policy
 from lightning_stale.schedule import ResetSchedule, ResetUnit
 
 ResetListener = Callable[[torch.optim.Optimizer, list[Slot]], None]
@@ -96,6 +96,8 @@ class MonitorOptions:
             raise ValueError(f"`seed` must be an int, got {self.seed!r}")
         if self.v_reset not in V_RESETS:
             raise ValueError(f"`v_reset` must be one of {V_RESETS}, got {self.v_reset!r}")
+        check_s0(self.s0)  # validated even where the chosen policy does not use them: a typo should not wait
+        check_min_interval(self.min_interval)
         self.policy = make_policy(self.reset, self.every, self.s0, self.min_interval, check_moments(self.moments))
 
 
@@ -280,6 +282,7 @@ class StaleStateMonitor:
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
+            "policy": repr(self.policy),
             "reset_events": self.reset_events,
             "optimizers": [{"steps": a.steps, "engine": a.engine.state_dict(), "schedule": a.schedule.state_dict()}
                            for a in self._attached],
@@ -295,6 +298,9 @@ class StaleStateMonitor:
                 "Resume with the same optimizers, or drop the saved monitor state."
             )
         self.reset_events = int(state.get("reset_events", 0))
+        if state.get("policy", repr(self.policy)) != repr(self.policy):
+            self._info(f"[lightning_stale] resuming with policy {self.policy!r}; the checkpoint was saved with "
+                       f"{state['policy']}: reset periods are chosen by the new policy, ages and counts continue.")
         for a, s in zip(self._attached, saved):
             a.steps = int(s["steps"])
             a.engine.load_state_dict(s["engine"])
@@ -347,7 +353,7 @@ class StaleStateMonitor:
         if a.warming:
             self._warm_up(a)
         measured = a.engine.after_step()
-        self._adopt(a)
+        self._adopt(a, after_step=True)
         if self.options.underflow_guard:
             guard.guard_underflow(e.slot for e in a.engine.entries.values())
         elif a.schedule.guarding:
@@ -374,12 +380,20 @@ class StaleStateMonitor:
         a.warming = {}
 
     # -- parameters appearing ----------------------------------------------------------------------------------------
-    def _adopt(self, a: _Attached) -> None:
-        """Align the schedule with the engine's units; give new parameters their rho-hat and period."""
+    def _adopt(self, a: _Attached, after_step: bool = False) -> None:
+        """Align the schedule with the engine's units; give new parameters their age, rho-hat and period.
+
+        A parameter whose state existed before monitoring began (a checkpoint saved without the monitor) is as old as
+        its optimizer step counter says; inside the post-step hook that counter already includes this step, which
+        the schedule adds next."""
         if a.adopted == a.engine.version:
             return
         a.adopted = a.engine.version
-        new = a.schedule.sync(a.engine.units)
+
+        def initial_age(unit: Unit) -> int:
+            return max(0, (a.adapter.steps_taken(unit.param) or 0) - after_step)
+
+        new = a.schedule.sync(a.engine.units, initial_age)
         curve_of = np.full(len(a.schedule.units), -1, dtype=np.int64)
         a.curve_of = curve_of
         a.pending = set()

@@ -26,10 +26,16 @@ def check_moments(moments: Sequence[str]) -> tuple[Moment, ...]:
     return tuple(dict.fromkeys(moments))  # type: ignore[arg-type]
 
 
-def _check_s0(s0: float) -> float:
-    if not isinstance(s0, (int, float)) or not 0.0 < s0 < 1.0:
+def check_s0(s0: float) -> float:
+    if isinstance(s0, bool) or not isinstance(s0, (int, float)) or not 0.0 < s0 < 1.0:
         raise ValueError(f"`s0` must be a float in (0, 1) (the paper uses 0.6), got {s0!r}")
     return float(s0)
+
+
+def check_min_interval(min_interval: int) -> int:
+    if isinstance(min_interval, bool) or not isinstance(min_interval, int) or min_interval < 1:
+        raise ValueError(f"`min_interval` must be a positive int (optimizer steps), got {min_interval!r}")
+    return min_interval
 
 
 class ResetPolicy:
@@ -97,7 +103,7 @@ class TheoryReset(ResetPolicy):
 
     def __init__(self, s0: float = 0.6, moments: Sequence[str] = ("m", "v")) -> None:
         super().__init__(moments)
-        self.s0 = _check_s0(s0)
+        self.s0 = check_s0(s0)
 
     def configure(self, unit: ResetUnit) -> None:
         driver = unit.driver()
@@ -122,10 +128,9 @@ class AdaptiveReset(ResetPolicy):
     needs_measurement = True
 
     def __init__(self, s0: float = 0.6, min_interval: int = 50, moments: Sequence[str] = ("m", "v")) -> None:
-        if isinstance(min_interval, bool) or not isinstance(min_interval, int) or min_interval < 1:
-            raise ValueError(f"`min_interval` must be a positive int (optimizer steps), got {min_interval!r}")
+        check_min_interval(min_interval)
         super().__init__(moments)
-        self.s0 = _check_s0(s0)
+        self.s0 = check_s0(s0)
         self.min_interval = min_interval
 
     def configure(self, unit: ResetUnit) -> None:

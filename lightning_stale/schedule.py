@@ -8,6 +8,7 @@ of parameters; a policy sees one parameter through a :class:`ResetUnit`, a view 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -107,8 +108,11 @@ class ResetSchedule:
         self.betas = np.zeros(0)  # beta of each driver slot (nan when it is not an EMA)
         self._restored: dict[str, dict[str, Any]] = {}
 
-    def sync(self, units: list[Unit]) -> list[ResetUnit]:
-        """Align with the engine's units (same order), keeping each known parameter's fields; returns the new ones."""
+    def sync(self, units: list[Unit], initial_age: Callable[[Unit], int] | None = None) -> list[ResetUnit]:
+        """Align with the engine's units (same order), keeping each known parameter's fields; returns the new ones.
+
+        A new parameter takes its fields from a loaded checkpoint when there is one, else starts at
+        ``initial_age(unit)`` (the age of optimizer state that existed before monitoring began) or 0."""
         old = {key: i for i, key in enumerate(self.keys)}
         arrays = {name: np.full(len(units), default, dtype=kind) for name, (kind, default) in FIELDS.items()}
         sources = [""] * len(units)
@@ -121,7 +125,10 @@ class ResetSchedule:
                 sources[i] = self.sources[j]
             else:
                 fresh.append(i)
-                for name, value in self._restored.pop(unit.key, {}).items():
+                restored = self._restored.pop(unit.key, None)
+                if restored is None and initial_age is not None:
+                    arrays["age"][i] = initial_age(unit)
+                for name, value in (restored or {}).items():
                     arrays[name][i] = value
         self.arrays, self.sources, self.keys = arrays, sources, [u.key for u in units]
         self.units = [ResetUnit(self, i, unit) for i, unit in enumerate(units)]

@@ -6,6 +6,7 @@ parameter and moment) whose codes can be compared step to step, and it resets ch
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -128,6 +129,12 @@ class OptimizerAdapter(ABC):
     def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
         """Reset the chosen moments (None = all) of the chosen params (None = all) in place, bias-correction age
         included, to the state a freshly constructed optimizer would have."""
+
+    def steps_taken(self, param: Tensor) -> int | None:
+        """Optimizer steps behind ``param``'s current state (its ``step`` counter), None when unknown. Used to age a
+        state that existed before monitoring began (a checkpoint saved without the monitor)."""
+        step = self.optimizer.state.get(param, {}).get("step")
+        return None if step is None else int(step)
 
     def reset_exact(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
         """The paper's exact per-moment reset where the optimizer keeps one age per moment, even when it is unsafe
@@ -255,6 +262,22 @@ class FloatSlot(Slot):
         return dtype_ulp(gather(self.tensor, index)) if self.tensor.is_floating_point() else None
 
 
+_SPACING_TABLES: dict[int, tuple[weakref.ref, Tensor]] = {}  # id(map) -> (the map, its spacing table)
+
+
+def _spacing_table(qmap: Tensor) -> Tensor:
+    """The ulp-convention spacing of every code of a map, on its device; built once per map tensor (the optimizers
+    share one map among all their parameters) and dropped with it."""
+    entry = _SPACING_TABLES.get(id(qmap))
+    if entry is None or entry[0]() is not qmap:
+        from lightning_stale.formats.base import grid_spacing_table
+
+        entry = (weakref.ref(qmap), grid_spacing_table(qmap.detach().float().cpu()).to(qmap.device))
+        _SPACING_TABLES[id(qmap)] = entry
+        weakref.finalize(qmap, _SPACING_TABLES.pop, id(qmap), None)
+    return entry[1]
+
+
 @dataclass(eq=False, kw_only=True)
 class BlockQmapSlot(Slot):
     """A moment stored as 8-bit indices into a value map, scaled per block: ``qmap[code] * scale[i // block]``.
@@ -286,10 +309,8 @@ class BlockQmapSlot(Slot):
         return spacing_from_codes(self.codes().reshape(-1), self.scale.reshape(-1), self.qmap, self.block_size)
 
     def spacing_at(self, index: Tensor) -> Tensor | None:
-        from lightning_stale.formats.base import grid_spacing_table
-
-        table = grid_spacing_table(self.qmap.detach().float().cpu()).to(self.qmap.device)
-        return gather(table, self.codes_at(index).long()) * gather(self.scale, index // self.block_size)
+        return gather(_spacing_table(self.qmap), self.codes_at(index).long()) * gather(self.scale,
+                                                                                      index // self.block_size)
 
     def zero_code(self) -> int | None:
         nearest = int(torch.argmin(self.qmap.reshape(-1).abs()))

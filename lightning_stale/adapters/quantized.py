@@ -85,6 +85,10 @@ class QuantizedAdamWAdapter(OptimizerAdapter):
         for group, p, state in self.stepped(params):
             self.restart_v(group, p, state)
 
+    def steps_taken(self, param: Tensor) -> int | None:
+        step = self.optimizer.state.get(param, {}).get("step_v")
+        return None if step is None else int(step)
+
     def reset_exact(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
         """The paper's per-moment reset, v-only included (unbounded first update: see the module docstring)."""
         chosen = resolve_moments(moments)
