@@ -3,7 +3,8 @@
 A small MLP (``32 -> 256 -> 256 -> 8``, ReLU, regression on fixed random data) trains with weight decay 0 and
 lr 1e-3. The monitor resets the chosen moments of every parameter once, after optimizer step ``--at``; the table
 shows the largest ``|p_{t+1} - p_t| / lr`` over every element in the ``--window`` steps after the reset, next to the
-same statistic over the same steps of the run without a reset (Adam's own steps reach about 1-3 lr). Run:
+same statistic over the same steps of the run without a reset (the same monitor options, monitoring only; Adam's
+own steps reach about 1-3 lr). Run:
 
     .venv/bin/python benchmarks/reset_safety.py --at 40 150 --window 20
 """
@@ -61,17 +62,16 @@ def optimizers(torchao: bool) -> dict[str, Callable]:
     return out
 
 
-def largest_updates(make: Callable, bf16: bool, steps: int, reset: tuple | None, seed: int = 0) -> np.ndarray:
-    """Per step: the largest |update| / lr over all elements (after the run's optional reset)."""
+def largest_updates(make: Callable, bf16: bool, steps: int, reset: tuple, seed: int = 0) -> np.ndarray:
+    """Per step: the largest |update| / lr over all elements, under a monitor that resets after step ``reset[0]``
+    (never for None) with the given monitor options."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
     if bf16:
         model = model.bfloat16()
     opt = make(list(model.parameters()))
-    monitor = None
-    if reset is not None:
-        at, moments, options = reset
-        monitor = StaleStateMonitor(opt, reset=ResetOnce(at, moments), **options)
+    at, moments, options = reset
+    monitor = StaleStateMonitor(opt, reset=ResetOnce(at, moments) if at is not None else None, **options)
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(512, 32, generator=g), torch.randn(512, 8, generator=g)
     out = []
@@ -83,8 +83,7 @@ def largest_updates(make: Callable, bf16: bool, steps: int, reset: tuple | None,
         opt.step()
         opt.zero_grad()
         out.append(max(float((p.detach().float() - b).abs().max()) for p, b in zip(model.parameters(), before)) / LR)
-    if monitor is not None:
-        monitor.close()
+    monitor.close()
     return np.array(out)
 
 
@@ -108,7 +107,7 @@ def main() -> None:
         if args.only and args.only not in name:
             continue
         bf16 = "bf16" in name and name.startswith("torch")
-        plain = largest_updates(make, bf16, steps, None)
+        plain = largest_updates(make, bf16, steps, (None, ("m", "v"), options))
         for at in args.at:
             window = slice(at, at + args.window)
             full = largest_updates(make, bf16, steps, (at, ("m", "v"), options))

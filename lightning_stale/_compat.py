@@ -55,3 +55,25 @@ def lightning_accumulating(trainer: object) -> bool:
     epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     should_accumulate = getattr(epoch_loop, "_should_accumulate", None)
     return bool(should_accumulate()) if callable(should_accumulate) else False
+
+
+def find_fabric(strategy: object = None) -> object | None:
+    """The ``lightning.fabric.Fabric`` on the call stack (the one whose strategy is ``strategy`` when given).
+
+    Fabric passes its callbacks only the strategy and the optimizer, and its callbacks-factory entry points nothing,
+    so a callback that logs through ``fabric.log_dict`` finds its Fabric here: as ``self`` of ``Fabric.__init__``
+    (entry point) or as a local of the training loop that calls ``optimizer.step()``. None when there is none.
+    """
+    import inspect
+
+    try:
+        from lightning.fabric import Fabric
+    except ImportError:  # pragma: no cover - Lightning is a dependency
+        return None
+    frame = inspect.currentframe()
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if isinstance(value, Fabric) and (strategy is None or getattr(value, "_strategy", None) is strategy):
+                return value
+        frame = frame.f_back
+    return None

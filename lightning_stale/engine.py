@@ -43,10 +43,10 @@ from lightning_stale.sampling import Sample, choose_sample
 STALLED, COUNTED, UNDERFLOW, MEASURED = range(4)  # columns of the window's per-slot totals (MEASURED: on the host)
 N_STATS = 4
 _PRED_SUM, _PRED_N = 1, 2  # columns of the host per-slot array after MEASURED (0)
-DRIFT_PARAMS = 8  # parameters with a drift shadow in sample mode
+DRIFT_PARAMS = 4  # parameters with a drift shadow in sample mode
 DRIFT_SAMPLE = 128  # shadowed elements per slot
 EXACT_BATCH = 1 << 22  # elements compared in one batch in exact mode (bounds the transient memory)
-PER_SLOT_COUNTS = 1 << 16  # mean sampled elements per parameter above which a batch counts slot by slot
+PER_SLOT_COUNTS = 1 << 13  # mean sampled elements per parameter from which a batch counts slot by slot
 
 
 @dataclass(eq=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -42,28 +43,23 @@ def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[
     ``totals``: (rows, N_STATS) sums since the last window; ``moments``: each row's moment; ``drift``: (moment,
     value, weight) of each shadowed slot; ``predicted``: (rows, 2) sum and count of the theory's predictions.
     """
-    vector = torch.zeros(len(MOMENTS), PER_MOMENT, dtype=torch.float64)
-    measured = totals[:, MEASURED].clamp_min(1.0)
-    for i, moment in enumerate(MOMENTS):
-        rows = torch.tensor([m == moment for m in moments], dtype=torch.bool)
-        if not rows.any():
-            continue
-        per_step = totals[rows] / measured[rows].unsqueeze(1)
-        vector[i, V_STALLED] = per_step[:, STALLED].sum()
-        vector[i, V_COUNTED] = per_step[:, COUNTED].sum()
-        vector[i, V_UNDERFLOW] = per_step[:, UNDERFLOW].sum()
-        vector[i, V_MEASURED] = (totals[rows, MEASURED] > 0).sum()
-        has = predicted[rows, 1] > 0
-        if has.any():
-            mean = predicted[rows][has, 0] / predicted[rows][has, 1]
-            weight = per_step[has, COUNTED]
-            vector[i, V_PRED] = (mean * weight).sum()
-            vector[i, V_PRED_W] = weight.sum()
+    totals_np, predicted_np = totals.numpy(), predicted.numpy()
+    moment_of = np.array([MOMENTS.index(m) for m in moments], dtype=np.int64)
+    measured = totals_np[:, MEASURED]
+    per_step = totals_np[:, :MEASURED] / np.maximum(measured, 1.0)[:, None]  # each slot per measured step
+    has_prediction = predicted_np[:, 1] > 0
+    mean_prediction = np.where(has_prediction, predicted_np[:, 0] / np.maximum(predicted_np[:, 1], 1.0), 0.0)
+    vector = np.zeros((len(MOMENTS), PER_MOMENT))
+    for column, values in ((V_STALLED, per_step[:, STALLED]), (V_COUNTED, per_step[:, COUNTED]),
+                           (V_UNDERFLOW, per_step[:, UNDERFLOW]), (V_MEASURED, measured > 0),
+                           (V_PRED, mean_prediction * per_step[:, COUNTED] * has_prediction),
+                           (V_PRED_W, per_step[:, COUNTED] * has_prediction)):
+        np.add.at(vector[:, column], moment_of, values)
     for moment, value, weight in drift:
         i = MOMENTS.index(moment)
         vector[i, V_DRIFT] += value * weight
         vector[i, V_DRIFT_W] += weight
-    return vector.reshape(-1)
+    return torch.from_numpy(vector.reshape(-1))
 
 
 def row(vector: Tensor, prefix: str, resets: int, since_reset: float | None, v_beta: float | None) -> dict[str, float]:

@@ -341,7 +341,8 @@ class StaleStateMonitor:
         a.measuring = (a.steps + 1) % self.options.track_every == 0
         a.engine.before_step(a.measuring)
         self._adopt(a)
-        a.warming = {u.position: u.param.detach().clone() for u in a.schedule.warming()}
+        if a.schedule.warming_any:
+            a.warming = {u.position: u.param.detach().clone() for u in a.schedule.warming()}
 
     def _after(self, a: _Attached) -> None:
         # GradScaler hands a fused/AMP-aware optimizer its verdict as the attribute ``found_inf`` during step()
@@ -444,7 +445,11 @@ class StaleStateMonitor:
         ages = a.schedule.ages
         for batch in measured:
             curve_ids = np.where(batch.is_v, a.curve_of[batch.positions], -1)
-            for curve_id in np.unique(curve_ids[curve_ids >= 0]):
+            present = curve_ids[curve_ids >= 0]
+            if present.size == 0:
+                continue
+            distinct = [present[0]] if (present == present[0]).all() else np.unique(present)  # usually one curve
+            for curve_id in distinct:
                 chosen = curve_ids == curve_id
                 values = predict.predicted_stall(a.curves[curve_id], ages[batch.positions[chosen]])
                 a.engine.add_predictions(batch.global_rows[chosen], values)

@@ -51,6 +51,10 @@ class Sample:
     def view(self, tensor: Tensor) -> Tensor:
         """The sampled elements of ``tensor`` (any shape, read flat): 1-D for a full sample, else ``(count, run)``
         elements (``(count, 2 run)`` with pairs). A view of contiguous tensors."""
+        if not self.full and tensor.is_contiguous():  # the hot path: no intermediate flat view
+            scale = 2 if self.pairs else 1
+            return torch.as_strided(tensor, (self.count, self.run * scale), (self.stride * scale, 1),
+                                    tensor.storage_offset() + self.offset * scale)
         return self._strided(tensor.reshape(-1), 2 if self.pairs else 1)
 
     def byte_view(self, packed: Tensor) -> Tensor:

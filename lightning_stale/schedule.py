@@ -151,6 +151,11 @@ class ResetSchedule:
             self.arrays[name][rows] = value
         self.arrays["resets"][rows] += 1
 
+    @property
+    def warming_any(self) -> bool:
+        """Some parameter is inside a post-reset warm-up."""
+        return bool(self.arrays["warmup_left"].any())
+
     def warming(self) -> list[ResetUnit]:
         """Parameters inside a post-reset warm-up."""
         return [self.units[i] for i in np.flatnonzero(self.arrays["warmup_left"] > 0)]

@@ -43,6 +43,17 @@ def test_entry_point_rejects_an_unknown_spec_with_the_allowed_values(monkeypatch
         callbacks_from_env()
 
 
+def test_an_explicit_callback_wins_over_the_environment_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV_VAR, "theory")
+    explicit = StaleStateCallback(reset="periodic", every=3)
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=False, max_steps=4, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[explicit])
+    trainer.fit(BoringModel())  # no "more than one stateful callback" error from Lightning
+    from_env = [cb for cb in stale_callbacks(trainer) if cb.from_environment]
+    assert len(from_env) == 1 and from_env[0].monitor is None  # stepped aside
+    assert explicit.monitor is not None and explicit.monitor.steps == [4]
+
+
 def test_lightning_cli_builds_the_callback_from_yaml(tmp_path):
     config = tmp_path / "stale.yaml"
     config.write_text(

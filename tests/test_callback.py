@@ -272,6 +272,10 @@ def test_fitting_twice_does_not_double_register_hooks(tmp_path):
         ({"reset": "theory", "s0": 1.5}, "`s0` must be"),
         ({"reset": "adaptive", "min_interval": 0}, "`min_interval` must be"),
         ({"log_key_prefix": ""}, "`log_key_prefix` must be"),
+        ({"s0": 2.0}, "`s0` must be"),  # validated although the default policy (none) does not use it
+        ({"reset": "periodic", "every": 5, "min_interval": 0}, "`min_interval` must be"),
+        ({"v_reset": "paper"}, "`v_reset` must be one of"),
+        ({"params_per_step": 0}, "`params_per_step` must be a positive int"),
     ],
 )
 def test_invalid_arguments_fail_at_construction(kwargs, match):

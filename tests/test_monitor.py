@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_stale import StaleStateMonitor
 from lightning_stale.monitor import StaleStateInternalWarning
+from lightning_stale.optim import QuantizedAdamW
 
 
 def model_and_optimizer(seed: int = 0):
@@ -123,3 +124,29 @@ def test_invalid_options_fail_at_construction(kwargs, match):
     _, opt = model_and_optimizer()
     with pytest.raises(ValueError, match=match):
         StaleStateMonitor(opt, **kwargs)
+
+
+def test_resume_with_another_policy_uses_the_new_one_and_says_so(caplog):
+    from lightning_stale import theory
+
+    def run(reset, **kwargs):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8))
+        opt = QuantizedAdamW(model.parameters(), betas=(0.9, 0.95), state_format="fp4", min_quantized_size=1)
+        return model, opt, StaleStateMonitor(opt, reset=reset, names=model, **kwargs)
+
+    model, opt, monitor = run("periodic", every=100)
+    train(model, opt, 5)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), monitor.state_dict()))
+    model2, opt2, resumed = run("theory")
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    resets = []
+    resumed.add_reset_listener(lambda o, slots: resets.append(resumed.steps[0]))
+    with caplog.at_level("INFO"):
+        resumed.load_state_dict(saved[2])
+    assert "the checkpoint was saved with PeriodicReset" in caplog.text
+    train(model2, opt2, 40, start=5)
+    k_star = theory.reset_period(theory.format_rho_hat("fp4_e2m2", 0.95), 0.95, 0.6)
+    assert set(resumed.reset_periods().values()) == {k_star}  # the new policy's periods, not every=100
+    assert resets[0] == k_star  # ages continued from the checkpoint: the first reset at age K*, step K*

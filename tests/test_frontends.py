@@ -1,0 +1,220 @@
+"""One engine, four front-ends: the Lightning Trainer callback, the Fabric callback (explicit and through the
+``LIGHTNING_STALE`` entry point), a plain PyTorch loop and the Hugging Face Trainer. Each logs fractions equal to an
+independent count of the stored codes, and the Trainer, Fabric and plain-loop front-ends give the same rows on the
+same run."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import bitsandbytes as bnb
+import lightning as L
+import pytest
+import torch
+from lightning.fabric.loggers import CSVLogger as FabricCSVLogger
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_stale import StaleStateCallback, StaleStateMonitor
+from lightning_stale.fabric import StaleStateFabricCallback
+from lightning_stale.factory import ENV_VAR
+
+STEPS, EVERY = 16, 4
+OPTIONS = dict(track="exact", reset="periodic", every=6)
+
+
+def network() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8))
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 32, generator=g), torch.randn(8, 8, generator=g)) for _ in range(STEPS)]
+
+
+def optimizer(params) -> torch.optim.Optimizer:
+    return bnb.optim.AdamW8bit(params, lr=1e-3, min_8bit_size=256)
+
+
+class Probe:
+    """Independent count per optimizer step of v codes left unchanged where the gradient is finite and non-zero."""
+
+    def __init__(self, opt: torch.optim.Optimizer, key: str = "state2") -> None:
+        self.key, self.steps, self.before = key, [], {}
+        opt.register_step_pre_hook(self.pre)
+        opt.register_step_post_hook(self.post)
+
+    def pre(self, opt, args, kwargs):
+        self.before = {p: s[self.key].clone() for p, s in opt.state.items() if s and self.key in s}
+
+    def post(self, opt, args, kwargs):
+        if self.before:
+            masks = {p: (p.grad != 0) & torch.isfinite(p.grad) for p in self.before}
+            self.steps.append((sum(int(((opt.state[p][self.key] == old) & masks[p]).sum())
+                                   for p, old in self.before.items()),
+                               sum(int(m.sum()) for m in masks.values())))
+
+    def windows(self, every: int, total: int) -> list[float]:
+        """The fraction of each logging window (the first optimizer step has nothing to compare)."""
+        out = []
+        for end in range(every, total + 1, every):
+            window = self.steps[max(0, end - every - 1):end - 1]
+            out.append(sum(s for s, _ in window) / sum(c for _, c in window))
+        return out
+
+
+def read_csv(path: Path, key: str) -> list[float]:
+    with path.open() as f:
+        return [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
+
+
+def run_plain() -> tuple[list[dict], Probe]:
+    model = network()
+    opt = optimizer(model.parameters())
+    probe = Probe(opt)
+    monitor = StaleStateMonitor(opt, names=model, coverage_steps=EVERY, **OPTIONS)
+    rows = []
+    for step, (x, y) in enumerate(batches(), start=1):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step % EVERY == 0:
+            rows.append(monitor.compute())
+    monitor.close()
+    return rows, probe
+
+
+def run_fabric(tmp_path: Path, callback: StaleStateFabricCallback | None) -> tuple[Path, Probe]:
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[callback] if callback else None,
+                      loggers=FabricCSVLogger(tmp_path, name="fabric", version=0))
+    model = network()
+    opt = optimizer(model.parameters())
+    probe = Probe(opt)
+    model, opt = fabric.setup(model, opt)
+    for x, y in batches():
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    for logger in fabric.loggers:
+        logger.finalize("success")
+    return tmp_path / "fabric" / "version_0" / "metrics.csv", probe
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = network()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def train_dataloader(self):
+        x, y = zip(*batches())
+        return DataLoader(TensorDataset(torch.cat(x), torch.cat(y)), batch_size=8)
+
+    def configure_optimizers(self):
+        opt = optimizer(self.parameters())
+        self.probe = Probe(opt)
+        return opt
+
+
+def run_trainer(tmp_path: Path) -> tuple[Path, Probe]:
+    module = Module()
+    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=STEPS, log_every_n_steps=EVERY, accelerator="cpu",
+                        logger=CSVLogger(tmp_path, name="trainer", version=0), enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[StaleStateCallback(**OPTIONS)])
+    trainer.fit(module)
+    return tmp_path / "trainer" / "version_0" / "metrics.csv", module.probe
+
+
+def test_trainer_fabric_and_plain_loop_give_the_same_rows_and_match_the_count(tmp_path):
+    plain_rows, plain_probe = run_plain()
+    fabric_csv, fabric_probe = run_fabric(tmp_path, StaleStateFabricCallback(log_every_n_steps=EVERY, **OPTIONS))
+    trainer_csv, trainer_probe = run_trainer(tmp_path)
+    plain = [row["stale/v/frac"] for row in plain_rows]
+    # The Fabric callback attaches at the first optimizer step, so its first window starts one step later.
+    assert fabric_probe.steps == plain_probe.steps == trainer_probe.steps  # the very same run three times
+    assert plain == pytest.approx(plain_probe.windows(EVERY, STEPS), rel=1e-12)
+    assert read_csv(trainer_csv, "stale/v/frac") == pytest.approx(plain, rel=1e-6)  # float32 in Lightning's log
+    assert read_csv(fabric_csv, "stale/v/frac") == pytest.approx(plain, rel=1e-12)
+    assert read_csv(fabric_csv, "stale/resets")[-1] == read_csv(trainer_csv, "stale/resets")[-1] == 2
+
+
+def test_fabric_entry_point_activates_with_the_environment_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "1")
+    monkeypatch.setenv(f"{ENV_VAR}_LOG_EVERY", str(EVERY))
+    csv_path, probe = run_fabric(tmp_path, None)  # no callback passed: LitGPT's situation
+    logged = read_csv(csv_path, "stale/v/frac")
+    assert len(logged) == STEPS // EVERY and all(0.0 <= v <= 1.0 for v in logged)
+
+
+def test_fabric_entry_point_is_inactive_without_the_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    assert not any(isinstance(cb, StaleStateFabricCallback) for cb in fabric._callbacks)
+
+
+def test_hugging_face_trainer_with_bitsandbytes_8bit(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from lightning_stale.hf import add_stale_callback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=96, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 96, (64, 16), generator=g)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=4,
+                                          logging_steps=EVERY, optim="adamw_bnb_8bit", report_to=[],
+                                          use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    callback = add_stale_callback(trainer, track="exact")
+
+    class AttachProbe(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            self.probe = Probe(optimizer.optimizer)  # accelerate's wrapper holds the bitsandbytes optimizer
+
+    attach = AttachProbe()
+    trainer.callback_handler.callbacks.insert(0, attach)
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "stale/v/frac" in r]
+    assert len(rows) == 12 // EVERY
+    assert [r["stale/v/frac"] for r in rows] == pytest.approx(attach.probe.windows(EVERY, 12), rel=1e-12)
+    assert type(callback.monitor.optimizers[0]).__name__ == "AdamW"  # bitsandbytes' 8-bit AdamW class
+
+
+def test_plain_loop_with_torchao_8bit_matches_the_count():
+    torchao_optim = pytest.importorskip("torchao.optim")
+    model = network()
+    opt = torchao_optim.AdamW8bit(model.parameters(), lr=1e-3)
+    before, counts = {}, []
+
+    def codes(state):  # the 8-bit codes, or the plain tensor of parameters below torchao's size threshold
+        buf = state["exp_avg_sq"]
+        return getattr(buf, "codes", buf).clone()
+
+    def pre(o, args, kwargs):
+        before.clear()
+        before.update({p: codes(s) for p, s in o.state.items() if s})
+
+    def post(o, args, kwargs):
+        masks = {p: (p.grad != 0) & torch.isfinite(p.grad) for p in before}
+        if before:
+            counts.append((sum(int(((codes(o.state[p]) == old) & masks[p]).sum()) for p, old in before.items()),
+                           sum(int(m.sum()) for m in masks.values())))
+
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(post)
+    monitor = StaleStateMonitor(opt, track="exact")
+    for x, y in batches()[:6]:
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    stalled, counted = map(sum, zip(*counts))
+    assert monitor.compute()["stale/v/frac"] == pytest.approx(stalled / counted, rel=1e-12)
+    assert any(type(s["exp_avg_sq"]).__name__ == "OptimState8bit" for s in opt.state.values())
+    monitor.close()
