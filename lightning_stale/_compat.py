@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 log = logging.getLogger("lightning_stale")
 
@@ -77,3 +78,28 @@ def find_fabric(strategy: object = None) -> object | None:
                 return value
         frame = frame.f_back
     return None
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def local_tensor(tensor: Any) -> Any:
+    """This process's shard of a ``DTensor`` (FSDP2 parameters, gradients and optimizer states), else the tensor.
+
+    ``to_local()`` is a view of the shard's storage: in-place writes through it change the optimizer's state."""
+    if _DTENSOR is not None and isinstance(tensor, _DTENSOR):
+        return tensor.to_local()
+    return tensor
+
+
+def is_sharded(tensor: Any) -> bool:
+    """True for a ``DTensor`` (its elements are spread over processes)."""
+    return _DTENSOR is not None and isinstance(tensor, _DTENSOR)

@@ -103,10 +103,12 @@ class StaleStateCallback(Callback):
                            "Trainer: the explicit callback is used and the one from the variable does nothing.")
             return
         strategy = type(trainer.strategy).__name__
-        if "DeepSpeed" in strategy or "FSDP" in strategy or "ModelParallel" in strategy:
+        if "DeepSpeed" in strategy or "FSDP" in strategy:
             raise MisconfigurationException(
-                f"StaleStateCallback does not support {strategy} yet: its optimizer state is sharded or flattened and "
-                "stall counts would be wrong. Use DDP (or single-device) training, or remove the callback."
+                f"StaleStateCallback does not support {strategy}: its optimizer state is flattened into shards the "
+                "monitor cannot map to parameters, and bitsandbytes' 8-bit states break under FSDP1 "
+                "(bitsandbytes#89). Use ModelParallelStrategy (FSDP2, with torch.optim or torchao optimizers), DDP "
+                "or a single device, or remove the callback."
             )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -116,6 +118,8 @@ class StaleStateCallback(Callback):
         self._trainer = trainer
         if not trainer.optimizers:
             raise MisconfigurationException("StaleStateCallback needs at least one optimizer (none was configured)")
+        if "ModelParallel" in type(trainer.strategy).__name__:
+            _check_sharded_optimizers(trainer.optimizers)
         self.monitor = StaleStateMonitor(
             trainer.optimizers, options=self.options, names=pl_module,
             reduce=self.reduce_sum if trainer.world_size > 1 else None,
@@ -163,3 +167,18 @@ class StaleStateCallback(Callback):
     def _detach(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+def _check_sharded_optimizers(optimizers: list) -> None:
+    """Under FSDP2 only optimizers that keep DTensor states (torch.optim, torchao) can be monitored."""
+    from lightning_stale.adapters import adapter_for
+
+    for optimizer in optimizers:
+        family = adapter_for(optimizer, strict=False).family
+        if family in ("bitsandbytes", "lightning_stale"):
+            upstream = " (bitsandbytes has no DTensor support: bitsandbytes#1633)" if family == "bitsandbytes" else ""
+            raise MisconfigurationException(
+                f"StaleStateCallback under ModelParallelStrategy (FSDP2) supports torch.optim and torchao optimizers, "
+                f"not {type(optimizer).__name__}{upstream}. Use torch.optim.AdamW (bf16 states with bf16 parameters) "
+                "or torchao's AdamW8bit/AdamW4bit/AdamWFp8, or DDP."
+            )

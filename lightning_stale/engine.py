@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.base import OptimizerAdapter, Slot
 from lightning_stale.sampling import Sample, choose_sample
 
@@ -58,15 +59,17 @@ class Unit:
     position: int  # position in the engine's unit list (and in the reset schedule's arrays)
     param: Tensor
     sample: Sample
+    numel: int  # elements of this process's shard (all of the parameter unless it is a DTensor)
     entries: list[Entry] = field(default_factory=list)
 
     def grad_view(self, sample: Sample, placeholders: dict) -> Tensor:
-        """The gradient at ``sample`` (a view), or NaN (never counted) when the step had no dense gradient."""
-        grad = self.param.grad
-        if grad is None or grad.is_sparse or grad.numel() != self.param.numel():
+        """The gradient at ``sample`` (a view of this process's shard), or NaN (never counted) when the step had no
+        dense gradient."""
+        grad = local_tensor(self.param.grad)
+        if grad is None or grad.is_sparse or grad.numel() != self.numel:
             key = (sample, self.param.device)
             if key not in placeholders:
-                shape = sample.view(torch.empty(self.param.numel(), device="meta")).shape
+                shape = sample.view(torch.empty(self.numel, device="meta")).shape
                 placeholders[key] = torch.full(shape, math.nan, device=self.param.device)
             return placeholders[key]
         return sample.view(grad)
@@ -172,6 +175,7 @@ class StallEngine:
         self._restored: dict[str, Any] = {}
         self._prev: list[Tensor] | None = None
         self._prev_cohort = -1
+        self.measured_cohort: list[Unit] = []  # the parameters of the last measured step, empty shards included
         self._placeholders: dict = {}
         self._where: dict[str, tuple[torch.device, int]] = {}  # slot key -> (device, row in that device's totals)
         self._device_rows: dict[torch.device, list[int]] = {}  # per device: the global row of each local row
@@ -203,8 +207,9 @@ class StallEngine:
             if id(slot.param) not in units:
                 key = f"{self.prefix}.{index}"
                 size = None if self.exact else self.sample_size
-                sample = choose_sample(key, slot.param.shape, size, self.seed, pairs=id(slot.param) in pairs)
-                units[id(slot.param)] = Unit(key, index, len(units), slot.param, sample)
+                shard = local_tensor(slot.param)
+                sample = choose_sample(key, shard.shape, size, self.seed, pairs=id(slot.param) in pairs)
+                units[id(slot.param)] = Unit(key, index, len(units), slot.param, sample, shard.numel())
             unit = units[id(slot.param)]
             key = f"{unit.key}.{slot.key}"
             entry = entries[key] = Entry(key, len(entries), unit, slot)
@@ -248,7 +253,8 @@ class StallEngine:
         self._device_rows = {d: [e.row for e in g] for d, g in rows.items()}
 
     def _build_cohorts(self) -> None:
-        units = [u for u in self.units if u.sample.count > 0]
+        # Every unit, empty shards included: the cohort schedule must be the same on every rank.
+        units = self.units
         size = len(units) if self.exact else max(self.params_per_step, -(-len(units) // self.coverage_steps))
         self.cohorts = [units[i:i + size] for i in range(0, len(units), max(1, size))]
         self._batches = {}
@@ -259,6 +265,8 @@ class StallEngine:
         if cohort not in self._batches:
             groups: dict[tuple, list[list[Unit]]] = {}
             for unit in self.cohorts[cohort]:
+                if unit.sample.count == 0:  # an empty (shard of a) parameter: nothing to read
+                    continue
                 # Code dtypes may differ (torch.cat promotes them exactly: uint8 and int16 codes widen to int32).
                 # Parameters with the common sample size form their own batch: equal segments sum without a scan.
                 layout = (unit.param.device, unit.sample.full, unit.sample.numel == self.sample_size,
@@ -276,7 +284,7 @@ class StallEngine:
         entries = [u.entries[i] for i in range(k) for u in units]
         zeros = [e.slot.zero_code() if e.moment == "v" else None for e in units[0].entries]  # one layout per row
         weights = [[w, w, w if zeros[i // len(units)] is not None else 0.0]
-                   for i, w in enumerate(e.slot.param.numel() / e.unit.sample.numel for e in entries)]
+                   for i, w in enumerate(e.unit.numel / e.unit.sample.numel for e in entries)]
         zero_codes = None
         if any(zeros):
             zero_codes = torch.tensor([[z or 0] for z in zeros], device=device)
@@ -342,6 +350,7 @@ class StallEngine:
         if self._prev is None:
             return []
         measured = self._plan(self._prev_cohort)
+        self.measured_cohort = self.cohorts[self._prev_cohort]
         for batch, prev in zip(measured, self._prev):
             self._count(batch, prev)
             self.host[batch.global_rows, 0] += 1
@@ -488,10 +497,13 @@ class StallEngine:
         shadows = {key: s.part(row, i).cpu().clone() for key, (s, row, i) in self._shadow_of.items()}
         return {"cursor": self.cursor, "totals": window, "shadows": shadows}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Adopt a checkpoint's histories; each slot's part is applied when the slot appears."""
+    def load_state_dict(self, state: dict[str, Any], local: bool = True) -> None:
+        """Adopt a checkpoint's histories; each slot's part is applied when the slot appears.
+
+        ``local=False`` keeps only what every process shares (the cohort cursor): the unlogged counts and the drift
+        shadows describe the saving process's own samples and shards, so another process starts them afresh."""
         self.cursor = int(state["cursor"])
-        self._restored = {"totals": dict(state["totals"]), "shadows": dict(state["shadows"])}
+        self._restored = {"totals": dict(state["totals"]), "shadows": dict(state["shadows"])} if local else {}
         self._n_state = -1
         self.entries, self.units, self.totals, self._where = {}, [], {}, {}
 

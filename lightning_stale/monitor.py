@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 import lightning_stale.adapters as adapters
-from lightning_stale import guard, metrics, predict
+from lightning_stale import _compat, guard, metrics, predict
 from lightning_stale._compat import rank_zero_info
 from lightning_stale.adapters.base import OptimizerAdapter, Slot
 from lightning_stale.engine import Batch, StallEngine, Unit
@@ -282,6 +282,8 @@ class StaleStateMonitor:
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
+            "rank": _compat.global_rank(),
+            "world_size": _world_size(),
             "policy": repr(self.policy),
             "reset_events": self.reset_events,
             "optimizers": [{"steps": a.steps, "engine": a.engine.state_dict(), "schedule": a.schedule.state_dict()}
@@ -290,7 +292,12 @@ class StaleStateMonitor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict`: counts in the current window, drift shadows, ages and reset counts;
-        reset periods are re-derived from the policy configured now."""
+        reset periods are re-derived from the policy configured now.
+
+        Lightning checkpoints one copy of a callback's state (rank 0's) for every process. What only describes the
+        saving process (its unlogged counts, its drift shadows) is therefore used only by that process, and after a
+        multi-process resume the first row covers the steps since the resume; ages, reset counts and cursors are the
+        same on every rank and always restored."""
         saved = state.get("optimizers", [])
         if len(saved) != len(self._attached):
             raise ValueError(
@@ -301,9 +308,16 @@ class StaleStateMonitor:
         if state.get("policy", repr(self.policy)) != repr(self.policy):
             self._info(f"[lightning_stale] resuming with policy {self.policy!r}; the checkpoint was saved with "
                        f"{state['policy']}: reset periods are chosen by the new policy, ages and counts continue.")
+        multi_process = state.get("world_size", 1) > 1 or _world_size() > 1
+        local = not multi_process
+        if multi_process and state.get("rank", 0) == _compat.global_rank():
+            local = None  # this process saved the shadows: keep them, but not its counts (the others lack theirs)
         for a, s in zip(self._attached, saved):
             a.steps = int(s["steps"])
-            a.engine.load_state_dict(s["engine"])
+            engine_state = dict(s["engine"])
+            if local is None:
+                engine_state["totals"] = {}
+            a.engine.load_state_dict(engine_state, local=local is not False)
             a.schedule.load_state_dict(s["schedule"])
             a.schedule.sync([])
             a.curves, a.curve_of, a.pending, a.adopted = [], np.zeros(0, dtype=np.int64), set(), -1
@@ -353,6 +367,7 @@ class StaleStateMonitor:
         a.steps += 1
         if a.warming:
             self._warm_up(a)
+        a.engine.measured_cohort = []
         measured = a.engine.after_step()
         self._adopt(a, after_step=True)
         if self.options.underflow_guard:
@@ -360,8 +375,9 @@ class StaleStateMonitor:
         elif a.schedule.guarding:
             guard.guard_underflow(s for unit in a.schedule.guarded() for s in unit.slots)
         if measured:
-            self._estimate_pending(a, measured)
             self._predict(a, measured)
+        if a.pending and a.engine.measured_cohort:
+            self._estimate_pending(a)
         a.schedule.advance()
         if self.policy is None:
             return
@@ -395,10 +411,14 @@ class StaleStateMonitor:
             return max(0, (a.adapter.steps_taken(unit.param) or 0) - after_step)
 
         new = a.schedule.sync(a.engine.units, initial_age)
-        curve_of = np.full(len(a.schedule.units), -1, dtype=np.int64)
-        a.curve_of = curve_of
+        a.curve_of = np.full(len(a.schedule.units), -1, dtype=np.int64)
         a.pending = set()
         for unit in a.schedule.units:
+            if unit.rho is None and self._reduce is not None and unit.period_source == "":
+                # Several processes: every rho-hat is agreed on at the parameter's first measurement (shards may
+                # hold different formats), so all ranks pick the same period.
+                a.pending.add(unit.position)
+                continue
             driver = unit.driver()
             rho, _, needs_estimate = predict.closed_form_rho(driver) if driver is not None else (None, "", False)
             if rho is not None:
@@ -423,21 +443,36 @@ class StaleStateMonitor:
         if self.policy is not None and (new or unit.period_source == "") and unit.position not in a.pending:
             self.policy.configure(unit)
 
-    def _estimate_pending(self, a: _Attached, measured: list[Batch]) -> None:
-        """Grid estimates of rho-hat for measured parameters that still lack one (one host sync per estimate)."""
-        if not a.pending:
+    def _estimate_pending(self, a: _Attached) -> None:
+        """Give the parameters of the step's cohort that still lack one their rho-hat: the paper's closed form for
+        float formats, the grid estimate (one host sync each) for other grids; agreed across processes."""
+        units = [a.schedule.units[u.position] for u in a.engine.measured_cohort if u.position in a.pending]
+        if not units:  # the same on every rank: pending sets change only through agreed results
             return
-        for position in {int(p) for b in measured for p in b.positions} & a.pending:
-            unit = a.schedule.units[position]
-            rho = predict.estimate_rho(unit.driver(), unit.key)
-            if rho is None:
+        rows = []
+        for unit in units:
+            driver = unit.driver()
+            closed, _, needs = predict.closed_form_rho(driver) if driver is not None else (None, "", False)
+            sums = predict.estimate_sums(driver, unit.key) if needs else None
+            rows.append([closed is not None, closed or 0.0, needs, *(sums or (0.0, 0))])
+        totals = torch.tensor(rows, dtype=torch.float64)
+        if self._reduce is not None:
+            totals = self._reduce(totals.reshape(-1)).to(torch.float64).cpu().view(-1, 5)
+        for unit, (n_closed, closed_sum, n_needs, inverse_sum, n) in zip(units, totals.tolist()):
+            driver = unit.driver()
+            if n > 0:
+                rho = predict.rho_from_sums(inverse_sum, int(n), driver.beta)
+            elif n_needs > 0:
                 self._warn_once(f"estimate:{unit.key}",
                                 f"lightning_stale: no theory prediction yet for {self._unit_name(a, unit)!r}: its "
                                 "stored second moment holds no non-zero value (zero gradients so far?); retrying when "
                                 "it is next measured.")
                 continue
-            a.pending.discard(position)
-            a.schedule.arrays["rho"][position] = rho
+            else:
+                rho = closed_sum / n_closed if n_closed > 0 else None
+            a.pending.discard(unit.position)
+            if rho is not None:
+                a.schedule.arrays["rho"][unit.position] = rho
             self._configure(a, unit, new=True)
 
     def _predict(self, a: _Attached, measured: list[Batch]) -> None:
@@ -497,25 +532,42 @@ class StaleStateMonitor:
         rank_zero_info(message)
 
     def _summary(self, a: _Attached) -> str:
+        """The fit-start report: formats (parameters and elements each), periods, and, with several processes,
+        parameters whose low-precision state fell back to fp32 on some ranks only (optimizers apply their size
+        threshold to the local shard). A collective when several processes run: every rank calls it at once."""
         from collections import Counter
 
-        formats: Counter[str] = Counter()
+        params: Counter[str] = Counter()
+        elements: Counter[str] = Counter()
         periods: Counter[str] = Counter()
         for unit in a.schedule.units:
-            formats.update(f"{s.moment}: {s.format} (beta={s.beta})" for s in unit.slots)
-            if self.policy is not None and unit.position not in a.pending:
+            for slot in unit.slots:
+                params[f"{slot.moment} {slot.format} (beta={slot.beta})"] += 1
+                elements[f"{slot.moment} {slot.format} (beta={slot.beta})"] += slot.numel
+            if self.policy is not None and unit.position not in a.pending and unit.period_source:
                 periods[f"{unit.period} ({unit.period_source})"] += 1
         engine = a.engine
         lines = [f"[lightning_stale] {a.adapter.describe()}; policy: {self.policy!r}; tracking: "
                  + ("exact" if engine.exact else f"sample ({engine.sample_size} elements, "
                     f"{len(engine.cohorts[0]) if engine.cohorts else 0} parameters per step)")
                  + f" every {self.options.track_every} step(s)",
-                 "[lightning_stale] state formats: " + ", ".join(f"{k} x{n}" for k, n in formats.items())]
+                 "[lightning_stale] state formats (parameters, elements on this rank): "
+                 + ", ".join(f"{k} x{params[k]} ({elements[k]:,})" for k in params)]
+        if self._reduce is not None:
+            low = torch.tensor([[float(any(s.format != "fp32" for s in u.slots)), 1.0] for u in a.schedule.units],
+                               dtype=torch.float64).reshape(-1)
+            counts = self._reduce(low).to(torch.float64).cpu().view(-1, 2)
+            mixed = [self._unit_name(a, u) for u, (n_low, n) in zip(a.schedule.units, counts.tolist())
+                     if 0 < n_low < n]
+            if mixed:
+                lines.append(f"[lightning_stale] {len(mixed)} parameter(s) have low-precision states on some ranks and "
+                             f"fp32 on others (the optimizer's size threshold applies to local shards): "
+                             + ", ".join(mixed[:5]) + (" ..." if len(mixed) > 5 else ""))
         if periods:
             lines.append("[lightning_stale] reset periods: " + ", ".join(f"{k} x{n}" for k, n in periods.items()))
         if a.pending:
-            lines.append(f"[lightning_stale] {len(a.pending)} parameter(s) wait for a grid estimate of their rho-hat "
-                         "(taken when they are first measured)")
+            lines.append(f"[lightning_stale] {len(a.pending)} parameter(s) get their rho-hat at their first "
+                         "measurement")
         return "\n".join(lines)
 
 
@@ -524,6 +576,12 @@ def _names(names: nn.Module | Mapping[str, Tensor] | None) -> dict[int, str]:
         return {}
     pairs: Iterable[tuple[str, Tensor]] = names.named_parameters() if isinstance(names, nn.Module) else names.items()
     return {id(p): n for n, p in pairs}
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _default_reduce() -> Reduce | None:

@@ -15,6 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from lightning_stale import theory
+from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.base import Slot
 from lightning_stale.formats import FORMAT_NAMES, get_format
 from lightning_stale.sampling import choose_sample
@@ -37,15 +38,17 @@ def closed_form_rho(slot: Slot) -> tuple[float | None, str, bool]:
     return None, f"grid estimate ({slot.format})", True
 
 
-def estimate_rho(slot: Slot, key: str) -> float | None:
-    """The generalized grid estimate of a slot's rho-hat, bucketed; None while the slot holds no non-zero finite
-    value with a known spacing yet (a zero-initialised LoRA factor, a dead first batch): try again later.
+def estimate_sums(slot: Slot, key: str) -> tuple[float, int] | None:
+    """The sums behind the generalized grid estimate of a slot: (sum of value / spacing, number of values) over a
+    rank-independent sample of its stored non-zero values with a known spacing; None while there is none (a
+    zero-initialised LoRA factor, a dead first batch: try again later). Sums from the shards of one parameter add up
+    to the estimate of the whole parameter (see :func:`rho_from_sums`).
 
-    Reads a rank-independent sample of the stored values to the host (one synchronisation, once per slot).
+    Reads the sample to the host (one synchronisation, once per slot).
     """
     if slot.beta is None:
         return None
-    sample = choose_sample(key, slot.param.shape, ESTIMATE_SAMPLE_SIZE, ESTIMATE_SEED)
+    sample = choose_sample(key, local_tensor(slot.param).shape, ESTIMATE_SAMPLE_SIZE, ESTIMATE_SEED)
     if sample.count == 0:
         return None
     index = sample.positions(slot.param.device)
@@ -53,10 +56,18 @@ def estimate_rho(slot: Slot, key: str) -> float | None:
     if spacing is None:
         return None
     r = theory.relative_spacing(slot.value_at(index), spacing)
-    if r.size == 0:
-        return None
-    rho = theory.rho_from_relative_spacing(1.0 / float(np.mean(1.0 / r)), slot.beta)
-    return bucket(rho)
+    return (float(np.sum(1.0 / r)), int(r.size)) if r.size else None
+
+
+def rho_from_sums(inverse_sum: float, n: int, beta: float) -> float:
+    """The bucketed rho-hat of the harmonic-mean relative spacing ``n / inverse_sum`` (our extension, Eq. 7)."""
+    return bucket(theory.rho_from_relative_spacing(n / inverse_sum, beta))
+
+
+def estimate_rho(slot: Slot, key: str) -> float | None:
+    """The generalized grid estimate of a slot's rho-hat, bucketed; None while it cannot be made yet."""
+    sums = estimate_sums(slot, key)
+    return None if sums is None else rho_from_sums(*sums, slot.beta)
 
 
 def bucket(rho: float) -> float:

@@ -1,10 +1,10 @@
-"""Try StaleStateCallback under a sharding strategy on CPU and print how it failed (run in a subprocess).
+"""Try StaleStateCallback where it must refuse, on CPU, and print how it failed (run in a subprocess).
 
-``python tests/sharded_worker.py model_parallel`` uses Lightning's ModelParallelStrategy (FSDP2 ``fully_shard``),
-which does run on CPU with gloo; ``python tests/sharded_worker.py fsdp`` uses FSDPStrategy, which Lightning itself
-refuses on CPU unless a subclass sidesteps its accelerator check (torch's FSDP1 then needs an accelerator anyway,
-but the callback's ``setup`` runs first). Prints ``REFUSED <message>`` when the callback raised
-MisconfigurationException, ``TRAINED`` when the fit went through.
+``python tests/sharded_worker.py model_parallel_bnb`` uses Lightning's ModelParallelStrategy (FSDP2 ``fully_shard``)
+with bitsandbytes AdamW8bit, which has no DTensor support; ``python tests/sharded_worker.py fsdp`` uses FSDPStrategy
+(FSDP1), which Lightning itself refuses on CPU unless a subclass sidesteps its accelerator check (torch's FSDP1 then
+needs an accelerator anyway, but the callback's ``setup`` runs first). Prints ``REFUSED <message>`` when the callback
+raised MisconfigurationException, ``TRAINED`` when the fit went through.
 """
 
 from __future__ import annotations
@@ -46,11 +46,13 @@ class Regression(L.LightningModule):
                           batch_size=8)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(self.parameters(), lr=1e-3)
 
 
 def main(kind: str) -> None:
-    if kind == "model_parallel":
+    if kind == "model_parallel_bnb":
         strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     else:
         strategy = CPUFSDPStrategy(process_group_backend="gloo")

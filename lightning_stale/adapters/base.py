@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from lightning_stale._compat import local_tensor
 from lightning_stale.sampling import Sample
 
 Moment = Literal["m", "v"]
@@ -100,7 +101,7 @@ class Slot:
 
     def grad_at(self, index: Tensor) -> Tensor | None:
         """The gradient elements that fed this slot's last update (fp32), or ``None`` when there is no gradient."""
-        grad = self.param.grad
+        grad = local_tensor(self.param.grad)
         if grad is None:
             return None
         return gather(grad, index).float()
@@ -325,7 +326,7 @@ class Packed4bitSlot(BlockQmapSlot):
 
     @property
     def numel(self) -> int:
-        return self.param.numel()  # without unpacking the codes
+        return local_tensor(self.param).numel()  # without unpacking the codes
 
     def sampled_codes(self, sample: Sample) -> Tensor:
         return sample.byte_view(self.stored)
@@ -335,7 +336,7 @@ class Packed4bitSlot(BlockQmapSlot):
 
     def codes(self) -> Tensor:
         packed = self.stored.reshape(-1)
-        return torch.stack([packed >> 4, packed & 0b1111], dim=-1).reshape(-1)[: self.param.numel()]
+        return torch.stack([packed >> 4, packed & 0b1111], dim=-1).reshape(-1)[: self.numel]
 
     def codes_at(self, index: Tensor) -> Tensor:
         byte = gather(self.stored, index // 2)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.base import FLOAT_FORMATS, FloatSlot, Moment, OptimizerAdapter, Slot, resolve_moments
 
 _SECOND_MOMENT = re.compile(r"sq|var|nu|second", re.IGNORECASE)
@@ -49,7 +50,7 @@ class GenericAdapter(OptimizerAdapter):
                     moment = guess_moment(key)
                     fmt = FLOAT_FORMATS.get(value.dtype, str(value.dtype).removeprefix("torch."))
                     out.append(FloatSlot(p, moment, None, fmt, key, signal="g" if moment == "m" else "g2",
-                                         tensor=value))
+                                         tensor=local_tensor(value)))
         self._announce(out)
         return out
 

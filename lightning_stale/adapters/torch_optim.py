@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.base import (
     FLOAT_FORMATS,
     FloatSlot,
@@ -26,8 +27,8 @@ from lightning_stale.adapters.restart import restarted_v, round_up_float
 
 
 def float_slot(param: Tensor, state: dict, key: str, moment: Moment, beta: float | None) -> FloatSlot:
-    """A slot over the plain float tensor ``state[key]``."""
-    tensor = state[key]
+    """A slot over the plain float tensor ``state[key]`` (this process's shard of a DTensor state under FSDP2)."""
+    tensor = local_tensor(state[key])
     return FloatSlot(param, moment, beta, FLOAT_FORMATS.get(tensor.dtype, str(tensor.dtype)), key,
                      signal="g" if moment == "m" else "g2", tensor=tensor)
 
@@ -63,15 +64,16 @@ class TorchAdamAdapter(SharedStepAdapter):
         if step == 0:
             state["exp_avg_sq"].zero_()
             return
-        beta1, beta2 = group["betas"]
-        m_hat = state["exp_avg"].float() / (1.0 - beta1**step)
-        grad = p.grad
+        beta1, beta2 = group["betas"]  # computed on this process's shards (DTensors under FSDP2)
+        m_hat = local_tensor(state["exp_avg"]).float() / (1.0 - beta1**step)
+        grad = local_tensor(p.grad)
         if grad is not None and group["weight_decay"] != 0 and not _decoupled(self.optimizer, group):
-            grad = grad.float() + group["weight_decay"] * p.detach().float()
+            grad = grad.float() + group["weight_decay"] * local_tensor(p).detach().float()
         target = restarted_v(m_hat, grad, step, beta2)
         for key in ("exp_avg_sq", "max_exp_avg_sq"):
             if key in state:
-                state[key].copy_(round_up_float(target, state[key].dtype))
+                stored = local_tensor(state[key])
+                stored.copy_(round_up_float(target, stored.dtype))
 
 
 def _decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:

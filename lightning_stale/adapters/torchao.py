@@ -23,6 +23,7 @@ from torchao.optim.subclass_4bit import OptimState4bit
 from torchao.optim.subclass_8bit import OptimState8bit
 from torchao.optim.subclass_fp8 import OptimStateFp8
 
+from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.base import (
     FLOAT_FORMATS,
     BlockFp8Slot,
@@ -44,7 +45,8 @@ KEYS: tuple[tuple[str, Moment, int], ...] = (("exp_avg", "m", 0), ("exp_avg_sq",
 
 
 def buffer_slot(p: Tensor, buf: Tensor, key: str, moment: Moment, beta: float) -> Slot:
-    """The slot reading one torchao state buffer, whatever its storage."""
+    """The slot reading one torchao state buffer, whatever its storage (this process's shard under FSDP2)."""
+    buf = local_tensor(buf)
     signal = "g" if moment == "m" else "g2"
     if isinstance(buf, OptimState8bit):
         return BlockQmapSlot(p, moment, beta, "int8_dynamic", key, signal=signal, stored=buf.codes,
@@ -61,6 +63,7 @@ def buffer_slot(p: Tensor, buf: Tensor, key: str, moment: Moment, beta: float) -
 
 def zero_buffer(buf: Tensor) -> None:
     """Zero a state buffer in place, as ``_new_buffer`` creates it (codes and scale zero)."""
+    buf = local_tensor(buf)
     if isinstance(buf, (OptimState8bit, OptimState4bit, OptimStateFp8)):
         buf.codes.zero_()
         buf.scale.zero_()
@@ -70,6 +73,7 @@ def zero_buffer(buf: Tensor) -> None:
 
 def write_rounded_up(buf: Tensor, target: Tensor) -> None:
     """Store non-negative fp32 ``target`` into ``buf`` in place, each value rounded up onto the buffer's grid."""
+    buf = local_tensor(buf)
     if isinstance(buf, OptimState8bit):
         codes, absmax = round_up_blockwise(target, buf.qmap, buf.block_size)
         buf.codes.view(-1).copy_(codes)
@@ -118,9 +122,9 @@ class TorchAOAdapter(SharedStepAdapter):
             return
         beta1, beta2 = group["betas"]
         m_hat = buffer_slot(p, state["exp_avg"], "exp_avg", "m", beta1).value() / (1.0 - beta1**step)
-        grad = p.grad
+        grad = local_tensor(p.grad)
         if grad is not None and group["weight_decay"] != 0 and not self.optimizer.is_adamw:
-            grad = grad.float() + group["weight_decay"] * p.detach().float()
+            grad = grad.float() + group["weight_decay"] * local_tensor(p).detach().float()
         target = restarted_v(m_hat, None if grad is None else grad.reshape(-1), step, beta2)
         for key in ("exp_avg_sq", "max_exp_avg_sq"):
             if key in state:
