@@ -13,17 +13,20 @@ Definitions (per slot, per measured step):
 How the cost stays independent of the number of tensors:
 
 - Samples are strided views (:mod:`lightning_stale.sampling`): reading a slot's sampled codes launches nothing.
-- The parameters are split into *cohorts*. A measured step measures one cohort, in turn (``track="sample"``: at
-  most ``params_per_step`` parameters each; ``track="exact"``: one cohort of every element of every slot). The
-  cohort's codes are read with one ``torch.cat`` per device before and after the step, compared in a few elementwise
-  ops, reduced per slot with one cumulative sum, and added to a device-resident totals matrix with one
-  ``index_add_``. Per-slot Python work is limited to building the list of gradient views of the cohort.
+- The parameters are split into *cohorts*. A measured step measures one cohort, in turn (``track="sample"``:
+  ``params_per_step`` parameters each, more when ``coverage_steps`` asks for it; ``track="exact"``: one cohort of
+  every element of every slot). A cohort's parameters that share a layout form a *batch*: its codes are read with one
+  ``torch.cat`` before and after the step, compared in a few elementwise ops against one shared gradient read, summed
+  per slot (one reshaped sum when the samples are equal, else one scan; slot by slot for large exact-mode slots) and
+  added to a device-resident totals matrix with one ``index_add_``. Per-parameter Python work is limited to building
+  the gradient views of the cohort.
 - A drift shadow must see every gradient, so shadows are kept for a fixed *panel* of at most ``DRIFT_PARAMS``
   parameters (all of them in exact mode), chosen by a hash of their keys, on the first ``DRIFT_SAMPLE`` elements of
   their sample.
 
-Host synchronisation happens only when plans are (re)built (new optimizer state), in the readouts
-(:meth:`StallEngine.window`, :meth:`StallEngine.last_fractions`) and in grid estimates; never in the step hooks.
+Host synchronisation happens only when batch plans are built (the first measurement of each cohort after the
+optimizer state changes: zero codes of 8-bit maps are looked up once) and in the readouts (:meth:`StallEngine.window`,
+:meth:`StallEngine.last_fractions`, :meth:`StallEngine.drift`); never in the step hooks otherwise.
 """
 
 from __future__ import annotations
@@ -126,7 +129,6 @@ class Shadow:
 
     units: list[Unit]
     samples: list[Sample]  # the shadowed prefix of each unit's sample
-    rows: list[Entry]  # per unit, its shadowed slots in row order
     squared: list[bool]  # per row: the EMA averages g**2 (a second moment) rather than g
     weight: Tensor  # (rows, 1): 1 - beta
     values: Tensor  # (rows, elements)
@@ -173,9 +175,9 @@ class StallEngine:
         self._shadows: list[Shadow] = []
         self._shadow_of: dict[str, tuple[Shadow, int, int]] = {}  # slot key -> (shadow, row, unit index)
         self._restored: dict[str, Any] = {}
+        self.measured_cohort: list[Unit] = []  # the parameters of the last measured step, empty shards included
         self._prev: list[Tensor] | None = None
         self._prev_cohort = -1
-        self.measured_cohort: list[Unit] = []  # the parameters of the last measured step, empty shards included
         self._placeholders: dict = {}
         self._where: dict[str, tuple[torch.device, int]] = {}  # slot key -> (device, row in that device's totals)
         self._device_rows: dict[torch.device, list[int]] = {}  # per device: the global row of each local row
@@ -221,11 +223,6 @@ class StallEngine:
         self._build_shadows(old_shadows, old_entries, fresh_state)
         self.version += 1
         return True
-
-    def rebind(self) -> None:
-        """Forget the slot objects (optimizer state was reloaded or replaced); histories are kept by key."""
-        self._n_state = -1
-        self._prev = None
 
     def _rebuild_totals(self, old: dict[str, Entry], new: dict[str, Entry]) -> None:
         """New totals rows for the new slot set, carrying each kept slot's history (and restored checkpoint rows)."""
@@ -313,7 +310,7 @@ class StallEngine:
         for (device, _, layout), units in groups.items():
             samples = [u.sample.prefix(DRIFT_SAMPLE) for u in units]
             lengths = [s.numel for s in samples]
-            shadow = Shadow(units, samples, [], [m == "v" for m, _ in layout],
+            shadow = Shadow(units, samples, [m == "v" for m, _ in layout],
                             torch.tensor([[1.0 - b] for _, b in layout], device=device),
                             torch.zeros(len(layout), sum(lengths), device=device),
                             [int(x) for x in np.cumsum([0] + lengths[:-1])])
@@ -343,7 +340,8 @@ class StallEngine:
 
     def after_step(self) -> list[Batch]:
         """Update the drift shadows with this step's gradients and count the snapshotted cohort; returns the batches
-        measured on this step."""
+        measured on this step (``measured_cohort`` holds its parameters, empty shards included)."""
+        self.measured_cohort = []
         if self.refresh(fresh_state=True):
             self._prev = None  # slots appeared during the step: this step has nothing to compare against
         self._update_shadows()
@@ -497,13 +495,14 @@ class StallEngine:
         shadows = {key: s.part(row, i).cpu().clone() for key, (s, row, i) in self._shadow_of.items()}
         return {"cursor": self.cursor, "totals": window, "shadows": shadows}
 
-    def load_state_dict(self, state: dict[str, Any], local: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], counts: bool = True, shadows: bool = True) -> None:
         """Adopt a checkpoint's histories; each slot's part is applied when the slot appears.
 
-        ``local=False`` keeps only what every process shares (the cohort cursor): the unlogged counts and the drift
-        shadows describe the saving process's own samples and shards, so another process starts them afresh."""
+        The cohort cursor is shared by every process; the unlogged ``counts`` and the drift ``shadows`` describe the
+        saving process's own samples and shards, so the monitor leaves them out where they are not this process's."""
         self.cursor = int(state["cursor"])
-        self._restored = {"totals": dict(state["totals"]), "shadows": dict(state["shadows"])} if local else {}
+        self._restored = {"totals": dict(state["totals"]) if counts else {},
+                          "shadows": dict(state["shadows"]) if shadows else {}}
         self._n_state = -1
         self.entries, self.units, self.totals, self._where = {}, [], {}, {}
 

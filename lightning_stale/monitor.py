@@ -309,15 +309,10 @@ class StaleStateMonitor:
             self._info(f"[lightning_stale] resuming with policy {self.policy!r}; the checkpoint was saved with "
                        f"{state['policy']}: reset periods are chosen by the new policy, ages and counts continue.")
         multi_process = state.get("world_size", 1) > 1 or _world_size() > 1
-        local = not multi_process
-        if multi_process and state.get("rank", 0) == _compat.global_rank():
-            local = None  # this process saved the shadows: keep them, but not its counts (the others lack theirs)
+        own_shadows = not multi_process or state.get("rank", 0) == _compat.global_rank()
         for a, s in zip(self._attached, saved):
             a.steps = int(s["steps"])
-            engine_state = dict(s["engine"])
-            if local is None:
-                engine_state["totals"] = {}
-            a.engine.load_state_dict(engine_state, local=local is not False)
+            a.engine.load_state_dict(s["engine"], counts=not multi_process, shadows=own_shadows)
             a.schedule.load_state_dict(s["schedule"])
             a.schedule.sync([])
             a.curves, a.curve_of, a.pending, a.adopted = [], np.zeros(0, dtype=np.int64), set(), -1
@@ -367,7 +362,6 @@ class StaleStateMonitor:
         a.steps += 1
         if a.warming:
             self._warm_up(a)
-        a.engine.measured_cohort = []
         measured = a.engine.after_step()
         self._adopt(a, after_step=True)
         if self.options.underflow_guard:

@@ -218,3 +218,29 @@ def test_plain_loop_with_torchao_8bit_matches_the_count():
     assert monitor.compute()["stale/v/frac"] == pytest.approx(stalled / counted, rel=1e-12)
     assert any(type(s["exp_avg_sq"]).__name__ == "OptimState8bit" for s in opt.state.values())
     monitor.close()
+
+
+@pytest.mark.slow
+def test_fabric_ddp_sums_across_ranks_and_resets_together(tmp_path):
+    """2 processes (gloo), per-rank sample seeds: both ranks get the same rows (the reduction ran: their local samples
+    differ), close to the exact count, and reset at the same steps with identical states."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("fabric_ddp_worker.py")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, str(worker), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    if not all(f.exists() for f in files):
+        pytest.fail(f"Fabric DDP worker failed (rc {proc.returncode}):\n{proc.stderr[-5000:]}")
+    rank0, rank1 = (json.loads(f.read_text()) for f in files)
+    assert [r["stale/v/frac"] for r in rank0["rows"]] == [r["stale/v/frac"] for r in rank1["rows"]]
+    assert rank0["resets"] == rank1["resets"] == [5, 10] and rank0["state"] == rank1["state"]
+    for i, row in enumerate(rank0["rows"]):  # window i: steps 4i+1 .. 4i+4 (the first step is not compared)
+        window = [c for c in rank0["probe"][4 * i:4 * (i + 1)] if c[1] > 0]
+        exact = sum(s for s, _ in window) / sum(c for _, c in window)
+        assert abs(row["stale/v/frac"] - exact) < 0.05

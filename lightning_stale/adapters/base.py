@@ -1,4 +1,4 @@
-"""The adapter protocol: how the tracker sees and resets one optimizer family's stored moments.
+"""The adapter protocol: how the engine sees and resets one optimizer family's stored moments.
 
 An adapter hides one library's state layout. It exposes the stored moments as :class:`Slot` objects (one per
 parameter and moment) whose codes can be compared step to step, and it resets chosen moments in place.
