@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "StaleStateCallback": "lightning_stale.callback",
     "StaleStateMonitor": "lightning_stale.monitor",
+    "ResetEvent": "lightning_stale.monitor",
     "QuantizedAdamW": "lightning_stale.optim",
     "adapter_for": "lightning_stale.adapters",
     "register_adapter": "lightning_stale.adapters",
@@ -20,10 +21,13 @@ _LAZY = {
 if TYPE_CHECKING:
     from lightning_stale.adapters import adapter_for, register_adapter
     from lightning_stale.callback import StaleStateCallback
-    from lightning_stale.monitor import StaleStateMonitor
+    from lightning_stale.monitor import ResetEvent, StaleStateMonitor
     from lightning_stale.optim import QuantizedAdamW
 
-__all__ = ["StaleStateCallback", "StaleStateMonitor", "QuantizedAdamW", "adapter_for", "register_adapter", "__version__"]
+__all__ = [
+    "ResetEvent", "StaleStateCallback", "StaleStateMonitor", "QuantizedAdamW", "adapter_for", "register_adapter",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

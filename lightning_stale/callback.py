@@ -15,11 +15,11 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_stale import _compat
+from lightning_stale import _compat, metrics
 from lightning_stale._compat import rank_zero_info
-from lightning_stale.adapters.base import Slot
-from lightning_stale.monitor import MonitorOptions, ResetListener, StaleStateMonitor
+from lightning_stale.monitor import MonitorOptions, ResetEvent, ResetListener, StaleStateMonitor
 from lightning_stale.policies import ResetPolicy
+from lightning_stale.vocab import MOMENTS
 
 
 class StaleStateCallback(Callback):
@@ -35,13 +35,13 @@ class StaleStateCallback(Callback):
         every: int | None = None,
         s0: float = 0.6,
         min_interval: int = 50,
-        moments: Sequence[str] = ("m", "v"),
+        moments: Sequence[str] = MOMENTS,
         track: Literal["sample", "exact"] = "sample",
         sample_size: int = 512,
         params_per_step: int = 4,
         track_every: int = 1,
         log_per_param: bool = False,
-        log_key_prefix: str = "stale",
+        log_key_prefix: str = metrics.DEFAULT_PREFIX,
         strict: bool = True,
         seed: int = 0,
         underflow_guard: bool = False,
@@ -76,13 +76,13 @@ class StaleStateCallback(Callback):
         return self.monitor.reset_events if self.monitor is not None else 0
 
     def add_reset_listener(self, listener: ResetListener) -> None:
-        """Call ``listener(optimizer, slots)`` after every reset (e.g. to re-warm a learning rate)."""
+        """Call ``listener(event)`` with a :class:`ResetEvent` after every reset (e.g. to re-warm a learning rate)."""
         self._listeners.append(listener)
         if self.monitor is not None:
             self.monitor.add_reset_listener(listener)
 
-    def on_reset(self, trainer: Trainer, optimizer: torch.optim.Optimizer, slots: list[Slot]) -> None:
-        """Hook called after the callback reset ``slots`` of ``optimizer``; override to react."""
+    def on_reset(self, trainer: Trainer, event: ResetEvent) -> None:
+        """Hook called after every reset (``event.step``, ``event.optimizer``, ``event.slots``); override to react."""
 
     def reset_periods(self) -> dict[str, int | None]:
         """The reset period chosen for each parameter (by parameter name), once its state exists."""
@@ -127,7 +127,7 @@ class StaleStateCallback(Callback):
         )
         for listener in self._listeners:
             self.monitor.add_reset_listener(listener)
-        self.monitor.add_reset_listener(lambda optimizer, slots: self.on_reset(trainer, optimizer, slots))
+        self.monitor.add_reset_listener(lambda event: self.on_reset(trainer, event))
         if self._pending_state is not None:
             try:
                 self.monitor.load_state_dict(self._pending_state)

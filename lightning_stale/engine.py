@@ -42,6 +42,7 @@ from torch import Tensor
 
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.base import OptimizerAdapter, Slot
+from lightning_stale.formats.base import unpack_nibbles
 from lightning_stale.sampling import Sample, choose_sample
 
 STALLED, COUNTED, UNDERFLOW, MEASURED = range(4)  # columns of the window's per-slot totals (MEASURED: on the host)
@@ -509,5 +510,4 @@ class StallEngine:
 
 def _flat_codes(codes: Tensor, packed: bool) -> Tensor:
     """Concatenated sampled codes as one code per element (two 4-bit codes per byte, high nibble first)."""
-    codes = codes.reshape(-1)
-    return torch.stack([codes >> 4, codes & 0b1111], dim=1).reshape(-1) if packed else codes
+    return unpack_nibbles(codes) if packed else codes.reshape(-1)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale.adapters.base import BlockFp8Slot, BlockQmapSlot, FloatSlot, Packed4bitSlot, Slot
+from lightning_stale.formats.base import pack_nibbles
 
 
 def stored_zero_mask(slot: Slot) -> Tensor:
@@ -53,7 +54,7 @@ def zero_elements(slot: Slot, mask: Tensor) -> None:
         slot.tensor.masked_fill_(mask.view(slot.tensor.shape), 0)
     elif isinstance(slot, Packed4bitSlot):
         codes = slot.codes().masked_fill(mask, _map_zero_code(slot))  # unpacked; repacked high nibble first
-        slot.stored.view(-1).copy_((codes[0::2] << 4) | codes[1::2])
+        slot.stored.view(-1).copy_(pack_nibbles(codes))
     elif isinstance(slot, BlockQmapSlot):
         slot.stored.masked_fill_(mask.view(slot.stored.shape), _map_zero_code(slot))
     elif isinstance(slot, BlockFp8Slot):

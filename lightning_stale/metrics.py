@@ -25,6 +25,9 @@ V_STALLED, V_COUNTED, V_UNDERFLOW, V_MEASURED, V_DRIFT, V_DRIFT_W, V_PRED, V_PRE
 PER_MOMENT = 8
 
 
+DEFAULT_PREFIX = "stale"  # the default ``log_key_prefix`` of every front-end
+
+
 def key(prefix: str, *parts: str) -> str:
     """A logged key: ``<prefix>/<part>/...``."""
     return "/".join((prefix, *parts))

@@ -28,15 +28,34 @@ from lightning_stale import _compat, guard, metrics, predict
 from lightning_stale._compat import rank_zero_info
 from lightning_stale.adapters.base import OptimizerAdapter, Slot
 from lightning_stale.engine import Batch, StallEngine, Unit
-from lightning_stale.policies import ResetPolicy, check_min_interval, check_moments, check_s0, make_policy
+from lightning_stale.policies import ResetPolicy, check_min_interval, check_s0, make_policy
 from lightning_stale.schedule import ResetSchedule, ResetUnit
+from lightning_stale.vocab import MOMENTS, check_choice, check_flag, check_int, check_moments, invalid
 
-ResetListener = Callable[[torch.optim.Optimizer, list[Slot]], None]
 Reduce = Callable[[Tensor], Tensor]
 STATE_VERSION = 2
 TRACK_MODES = ("sample", "exact")
 V_RESETS = ("bounded", "exact-unbounded")
 POST_RESET_GUARD_STEPS = 30  # steps after a reset during which the underflow guard protects the reset parameters
+
+
+@dataclass(frozen=True)
+class ResetEvent:
+    """What a reset listener receives: ``step``, the monitor's count of real optimizer steps (skipped steps excluded;
+    restored from its checkpoint on resume, from 1 when it attached to a run without one) after which the reset ran;
+    the ``optimizer``; the ``slots`` (parameter x moment) that were reset."""
+
+    step: int
+    optimizer: torch.optim.Optimizer
+    slots: list[Slot]
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The parameters whose state was reset, each once, in slot order."""
+        return list({id(s.param): s.param for s in self.slots}.values())
+
+
+ResetListener = Callable[[ResetEvent], None]
 
 
 class StaleStateWarning(UserWarning):
@@ -47,16 +66,6 @@ class StaleStateInternalWarning(StaleStateWarning):
     """An unexpected error inside a step hook: the monitor skipped that step (a bug; please report it)."""
 
 
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
-
-
-def _flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False, got {value!r}")
-
-
 @dataclass
 class MonitorOptions:
     """The options every front-end shares, validated once (see :class:`StaleStateMonitor` for their meaning)."""
@@ -65,13 +74,13 @@ class MonitorOptions:
     every: int | None = None
     s0: float = 0.6
     min_interval: int = 50
-    moments: Sequence[str] = ("m", "v")
+    moments: Sequence[str] = MOMENTS
     track: str = "sample"
     sample_size: int = 512
     params_per_step: int = 4
     track_every: int = 1
     log_per_param: bool = False
-    log_key_prefix: str = "stale"
+    log_key_prefix: str = metrics.DEFAULT_PREFIX
     strict: bool = True
     seed: int = 0
     underflow_guard: bool = False
@@ -80,22 +89,17 @@ class MonitorOptions:
     policy: ResetPolicy | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.track not in TRACK_MODES:
-            raise ValueError(f"`track` must be 'sample' or 'exact', got {self.track!r}")
+        check_choice("track", self.track, TRACK_MODES)
         for name in ("sample_size", "params_per_step", "track_every"):
-            _positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if not isinstance(self.log_key_prefix, str) or not self.log_key_prefix:
-            raise ValueError(f"`log_key_prefix` must be a non-empty string, got {self.log_key_prefix!r}")
+            raise invalid("log_key_prefix", "a non-empty string", self.log_key_prefix)
         for name in ("log_per_param", "strict", "underflow_guard"):
-            _flag(name, getattr(self, name))
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(
-                f"`warmup_steps` must be an int >= 0 (0 disables the post-reset warm-up), got {self.warmup_steps!r}"
-            )
+            check_flag(name, getattr(self, name))
+        check_int("warmup_steps", self.warmup_steps, minimum=0, unit="0 disables the post-reset warm-up")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"`seed` must be an int, got {self.seed!r}")
-        if self.v_reset not in V_RESETS:
-            raise ValueError(f"`v_reset` must be one of {V_RESETS}, got {self.v_reset!r}")
+            raise invalid("seed", "an int", self.seed)
+        check_choice("v_reset", self.v_reset, V_RESETS)
         check_s0(self.s0)  # validated even where the chosen policy does not use them: a typo should not wait
         check_min_interval(self.min_interval)
         self.policy = make_policy(self.reset, self.every, self.s0, self.min_interval, check_moments(self.moments))
@@ -185,7 +189,7 @@ class StaleStateMonitor:
             options = MonitorOptions(reset=reset, **kwargs)
         elif reset is not None or kwargs:
             raise ValueError("pass either `options` or individual options, not both")
-        _positive_int("coverage_steps", coverage_steps)
+        check_int("coverage_steps", coverage_steps)
         self.options = options
         self.policy = options.policy
         self.reset_events = 0
@@ -223,7 +227,7 @@ class StaleStateMonitor:
         return sum(a.engine.resident_bytes() for a in self._attached)
 
     def add_reset_listener(self, listener: ResetListener) -> None:
-        """Call ``listener(optimizer, slots)`` after every reset (e.g. to re-warm a learning rate)."""
+        """Call ``listener(event)`` with a :class:`ResetEvent` after every reset (e.g. to re-warm a learning rate)."""
         self._listeners.append(listener)
 
     def reset_periods(self) -> dict[str, int | None]:
@@ -514,8 +518,9 @@ class StaleStateMonitor:
                     slots.append(entry.slot)
         a.schedule.record_reset(units, a.steps, self.options.warmup_steps, POST_RESET_GUARD_STEPS)
         self.reset_events += 1
+        event = ResetEvent(a.steps, a.optimizer, slots)
         for listener in self._listeners:
-            listener(a.optimizer, slots)
+            listener(event)
 
     # -- names and messages ------------------------------------------------------------------------------------------
     def _unit_name(self, a: _Attached, unit: ResetUnit) -> str:

@@ -15,27 +15,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from lightning_stale import predict
-from lightning_stale.adapters.base import MOMENTS, Moment
 from lightning_stale.schedule import NO_PERIOD, ResetSchedule, ResetUnit
 from lightning_stale.theory import statistical_error
-
-
-def check_moments(moments: Sequence[str]) -> tuple[Moment, ...]:
-    if isinstance(moments, str) or not moments or any(m not in MOMENTS for m in moments):
-        raise ValueError(f"`moments` must be a non-empty tuple drawn from {MOMENTS}, got {moments!r}")
-    return tuple(dict.fromkeys(moments))  # type: ignore[arg-type]
+from lightning_stale.vocab import MOMENTS, check_int, check_moments, check_open_unit
 
 
 def check_s0(s0: float) -> float:
-    if isinstance(s0, bool) or not isinstance(s0, (int, float)) or not 0.0 < s0 < 1.0:
-        raise ValueError(f"`s0` must be a float in (0, 1) (the paper uses 0.6), got {s0!r}")
-    return float(s0)
+    return check_open_unit("s0", s0, " (the paper uses 0.6)")
 
 
 def check_min_interval(min_interval: int) -> int:
-    if isinstance(min_interval, bool) or not isinstance(min_interval, int) or min_interval < 1:
-        raise ValueError(f"`min_interval` must be a positive int (optimizer steps), got {min_interval!r}")
-    return min_interval
+    return check_int("min_interval", min_interval, unit="optimizer steps")
 
 
 class ResetPolicy:
@@ -45,7 +35,7 @@ class ResetPolicy:
     needs_sync: bool = True
     needs_measurement: bool = False
 
-    def __init__(self, moments: Sequence[str] = ("m", "v")) -> None:
+    def __init__(self, moments: Sequence[str] = MOMENTS) -> None:
         self.moments = check_moments(moments)
 
     def configure(self, unit: ResetUnit) -> None:
@@ -74,11 +64,9 @@ class PeriodicReset(ResetPolicy):
 
     needs_sync = False
 
-    def __init__(self, every: int, moments: Sequence[str] = ("m", "v")) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"`every` must be a positive int (optimizer steps between resets), got {every!r}")
+    def __init__(self, every: int, moments: Sequence[str] = MOMENTS) -> None:
+        self.every = check_int("every", every, unit="optimizer steps between resets")
         super().__init__(moments)
-        self.every = every
 
     def configure(self, unit: ResetUnit) -> None:
         unit.period, unit.period_source = self.every, "fixed"
@@ -101,7 +89,7 @@ class TheoryReset(ResetPolicy):
 
     needs_sync = False
 
-    def __init__(self, s0: float = 0.6, moments: Sequence[str] = ("m", "v")) -> None:
+    def __init__(self, s0: float = 0.6, moments: Sequence[str] = MOMENTS) -> None:
         super().__init__(moments)
         self.s0 = check_s0(s0)
 
@@ -127,7 +115,7 @@ class AdaptiveReset(ResetPolicy):
 
     needs_measurement = True
 
-    def __init__(self, s0: float = 0.6, min_interval: int = 50, moments: Sequence[str] = ("m", "v")) -> None:
+    def __init__(self, s0: float = 0.6, min_interval: int = 50, moments: Sequence[str] = MOMENTS) -> None:
         check_min_interval(min_interval)
         super().__init__(moments)
         self.s0 = check_s0(s0)

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lightning_stale.formats import ROUNDINGS, check_format_name, get_format
+from lightning_stale.formats import check_format_name, get_format
 from lightning_stale.theory import estimate_grid, format_rho_hat, reset_period, stall_probability_after
+from lightning_stale.vocab import check_int, check_rounding
 
 COLUMNS = ("step", "age", "stall_v", "stall_m", "predicted_v", "v_ratio", "v_abs_err", "v_down")
 
@@ -44,11 +45,9 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         check_format_name(self.fmt, "fmt")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        check_rounding(self.rounding)
         for name in ("steps", "n"):
-            if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+            check_int(name, getattr(self, name))
         for name in ("beta1", "beta2", "s0"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)!r}")

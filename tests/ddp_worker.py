@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_stale import StaleStateCallback
+from lightning_stale import ResetEvent, StaleStateCallback
 from lightning_stale.metrics import MOMENTS, PER_MOMENT
 from lightning_stale.policies import AdaptiveReset
 
@@ -113,9 +113,9 @@ def main(out: Path, reset: str, steps: int) -> None:
         model = TwoOptimizers(beta2=0.985)
     resets: list[dict] = []
 
-    def on_reset(optimizer: torch.optim.Optimizer, slots: list) -> None:
-        index = [id(o) for o in trainer.optimizers].index(id(optimizer))
-        resets.append({"step": trainer.global_step, "optimizer": index, "state": state_hashes(optimizer)})
+    def on_reset(event: ResetEvent) -> None:
+        index = [id(o) for o in trainer.optimizers].index(id(event.optimizer))
+        resets.append({"step": trainer.global_step, "optimizer": index, "state": state_hashes(event.optimizer)})
 
     callback.add_reset_listener(on_reset)
     trainer = L.Trainer(

@@ -54,7 +54,7 @@ def main(out: Path) -> None:
         optimizer.step()
         optimizer.zero_grad()
         if step == 1:  # the callback attaches its monitor at the first optimizer step
-            next(iter(callback.monitors.values())).add_reset_listener(lambda o, s: resets.append(len(probe)))
+            next(iter(callback.monitors.values())).add_reset_listener(lambda event: resets.append(event.step))
         if step % EVERY == 0:
             rows.append(callback.compute())  # a collective: both ranks call it at the same steps
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(

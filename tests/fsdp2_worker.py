@@ -118,8 +118,7 @@ def main(out: Path, kind: str, steps: int, resume: str | None) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     callback = StaleStateCallback(track="exact", reset="periodic", every=6, seed=rank)
     resets: list[dict] = []
-    callback.add_reset_listener(lambda opt, slots: resets.append({"step": callback.monitor.steps[0],
-                                                                  "state": state_hashes(opt)}))
+    callback.add_reset_listener(lambda event: resets.append({"step": event.step, "state": state_hashes(event.optimizer)}))
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=4, save_top_k=-1)
     trainer = L.Trainer(
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), devices=2, accelerator="cpu",

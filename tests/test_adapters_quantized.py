@@ -19,7 +19,7 @@ from adapter_checks import (
     set_grads,
 )
 from lightning_stale.adapters import adapter_for
-from lightning_stale.formats.fp4 import unpack
+from lightning_stale.formats.base import unpack_nibbles
 from lightning_stale.optim import QuantizedAdamW
 
 SHAPES = [(64, 64), (16,)]  # 4096 elements: stored in the format; 16: below min_quantized_size, fp32
@@ -39,7 +39,7 @@ def _raw(fmt: str):
     def read(state: dict, key: str) -> torch.Tensor:
         codes = state[key]
         if codes.numel() * 2 == 4096 and fmt == "fp4":
-            return unpack(codes, 4096)
+            return unpack_nibbles(codes, 4096)
         return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
 
     return read

@@ -94,8 +94,7 @@ class ResetRecorder:
     def __init__(self, callback: StaleStateCallback) -> None:
         self.steps: list[int] = []
         self.callback = callback
-        # the listener runs inside the optimizer step, before Lightning counts it in global_step
-        callback.add_reset_listener(lambda opt, slots: self.steps.append(callback._trainer.global_step + 1))
+        callback.add_reset_listener(lambda event: self.steps.append(event.step))
 
 
 KINDS = ["torch_bf16", "bnb", "qadamw:int8_dynamic", "qadamw:fp8_e4m3"] + (["torchao"] if HAS_TORCHAO else [])
@@ -264,7 +263,7 @@ def test_fitting_twice_does_not_double_register_hooks(tmp_path):
         ({"every": 5}, "`every` is only used"),
         ({"reset": "theory", "every": 5}, "`every` is only used"),
         ({"reset": "periodic", "every": 0}, "`every` must be a positive int"),
-        ({"track": "all"}, "`track` must be 'sample' or 'exact'"),
+        ({"track": "all"}, r"`track` must be one of \('sample', 'exact'\)"),
         ({"sample_size": 0}, "`sample_size` must be a positive int"),
         ({"track_every": -1}, "`track_every` must be a positive int"),
         ({"moments": ("x",)}, "`moments` must be"),

@@ -67,7 +67,7 @@ class Regression(L.LightningModule):
 def test_trainer_fit_with_bitsandbytes_and_theory_resets(tmp_path, device):
     callback = StaleStateCallback(reset="theory", underflow_guard=True, warmup_steps=2)
     resets: list[int] = []
-    callback.add_reset_listener(lambda opt, slots: resets.append(callback.monitor.steps[0]))
+    callback.add_reset_listener(lambda event: resets.append(event.step))
     trainer = L.Trainer(default_root_dir=tmp_path, max_steps=30, accelerator=device.type, devices=1, logger=False,
                         log_every_n_steps=5, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[callback])

@@ -69,7 +69,7 @@ class ScalerProbe(L.Callback):
 def fit_fp16(tmp_path: Path, fused: bool, inf_batches: tuple[int, ...]):
     callback = StaleStateCallback(reset="periodic", every=EVERY, track="exact")
     resets: list[int] = []
-    callback.add_reset_listener(lambda opt, slots: resets.append(callback._trainer.global_step + 1))
+    callback.add_reset_listener(lambda event: resets.append(trainer.global_step + 1))  # global steps count skips
     probe = ScalerProbe()
     # A small initial scale: fp16 overflow of the real gradients would add skips of its own.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)

@@ -147,8 +147,7 @@ def test_logged_fractions_equal_an_independent_count_window_by_window(tmp_path, 
 def test_theory_resets_happen_on_schedule_and_training_completes(tmp_path, setup):
     callback = StaleStateCallback(reset="theory")
     resets: list[tuple[int, set[int]]] = []
-    callback.add_reset_listener(lambda opt, slots: resets.append((callback.monitor.steps[0],
-                                                                  {id(s.param) for s in slots})))
+    callback.add_reset_listener(lambda event: resets.append((event.step, {id(p) for p in event.params})))
     trainer, model = fit(tmp_path, setup, callback, steps=100)
     assert trainer.global_step == 100
     assert all(torch.isfinite(p).all() for p in model.parameters())

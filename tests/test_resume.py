@@ -91,7 +91,7 @@ class Run:
         kwargs, beta2, steps = config(policy, kind)
         self.callback = StaleStateCallback(**kwargs)
         self.resets: list[int] = []
-        self.callback.add_reset_listener(lambda opt, slots: self.resets.append(self.trainer.global_step + 1))
+        self.callback.add_reset_listener(lambda event: self.resets.append(event.step))
         callbacks = [self.callback]
         if save:  # a checkpoint after every step; the test picks one inside a reset cycle afterwards
             callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1))

@@ -16,16 +16,16 @@ import torch
 from torch import Tensor
 
 from lightning_stale._compat import local_tensor
+from lightning_stale.formats.base import grid_spacing_table, unpack_nibbles
+from lightning_stale.formats.fp8 import e4m3_spacing
 from lightning_stale.sampling import Sample
+from lightning_stale.vocab import MOMENTS, SIGNALS, Moment, check_moments
 
-Moment = Literal["m", "v"]
 
-
-def gather(tensor: Tensor, index: Tensor) -> Tensor:
+def take(tensor: Tensor, index: Tensor) -> Tensor:
     """``tensor.reshape(-1)[index]`` through ``index_select``, which stays fast for small samples even when
     advanced indexing would start a parallel region (milliseconds on a busy machine)."""
     return tensor.reshape(-1).index_select(0, index)
-MOMENTS: tuple[Moment, ...] = ("m", "v")
 
 
 @dataclass(eq=False)
@@ -43,7 +43,6 @@ class Slot:
         format: a name from :mod:`lightning_stale.formats` (``"int8_dynamic"``, ``"bf16"``, ``"fp8_e4m3"``,
             ``"fp4"``, ``"fp32"`` ...) or a free-form description of a foreign grid.
         key: the optimizer-state key (or a description) this slot reads, for messages and logging.
-        signal: what the EMA averages: ``"g"`` for first moments, ``"g2"`` for second moments.
     """
 
     param: Tensor
@@ -51,11 +50,15 @@ class Slot:
     beta: float | None
     format: str
     key: str
-    signal: Literal["g", "g2"] = "g"
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     packed: ClassVar[bool] = False  # two codes per byte: sampled by element pairs (see lightning_stale.sampling)
+
+    @property
+    def signal(self) -> Literal["g", "g2"]:
+        """What the EMA averages, which follows from the moment: ``"g"`` for m, ``"g2"`` for v."""
+        return SIGNALS[self.moment]
 
     @property
     def numel(self) -> int:
@@ -88,23 +91,23 @@ class Slot:
 
     def codes_at(self, index: Tensor) -> Tensor:
         """Codes at flat indices ``index``."""
-        return gather(self.codes(), index)
+        return take(self.codes(), index)
 
     def value_at(self, index: Tensor) -> Tensor:
         """Dequantized fp32 values at flat indices ``index``."""
-        return gather(self.value(), index)
+        return take(self.value(), index)
 
     def spacing_at(self, index: Tensor) -> Tensor | None:
         """Absolute grid spacing at flat indices ``index``; ``None`` if unknown."""
         spacing = self.spacing()
-        return None if spacing is None else gather(spacing, index)
+        return None if spacing is None else take(spacing, index)
 
     def grad_at(self, index: Tensor) -> Tensor | None:
         """The gradient elements that fed this slot's last update (fp32), or ``None`` when there is no gradient."""
         grad = local_tensor(self.param.grad)
         if grad is None:
             return None
-        return gather(grad, index).float()
+        return take(grad, index).float()
 
 
 class OptimizerAdapter(ABC):
@@ -199,14 +202,7 @@ class SharedStepAdapter(OptimizerAdapter):
 
 def resolve_moments(moments: Sequence[Moment] | None) -> frozenset[Moment]:
     """Validate a ``moments`` argument (None = both) and return it as a set."""
-    if moments is None:
-        return frozenset(MOMENTS)
-    if isinstance(moments, str):
-        moments = (moments,)
-    bad = [m for m in moments if m not in MOMENTS]
-    if bad:
-        raise ValueError(f"moments must be a subset of {MOMENTS}, got {bad!r}")
-    return frozenset(moments)
+    return frozenset(check_moments(moments))
 
 
 # -- concrete slot layouts shared by the built-in adapters ----------------------------------------------------------
@@ -225,14 +221,6 @@ def dtype_ulp(values: Tensor) -> Tensor:
     """Absolute spacing to the next representable value away from zero, in the values' own dtype, as fp32."""
     mag = values.abs()
     return (torch.nextafter(mag, torch.full_like(mag, float("inf"))) - mag).float()
-
-
-def fp8_e4m3_ulp(values: Tensor) -> Tensor:
-    """Spacing of ``float8_e4m3fn`` values away from zero (the largest finite value, 448, uses the gap below)."""
-    bits = values.view(torch.uint8) & 0x7F
-    up = torch.where(bits >= 0x7E, bits - 1, bits)
-    lo, hi = up.view(torch.float8_e4m3fn).float(), (up + 1).view(torch.float8_e4m3fn).float()
-    return hi - lo
 
 
 FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
@@ -254,13 +242,13 @@ class FloatSlot(Slot):
         return dtype_ulp(self.tensor.reshape(-1)) if self.tensor.is_floating_point() else None
 
     def codes_at(self, index: Tensor) -> Tensor:
-        return gather(_bit_view(self.tensor), index)
+        return take(_bit_view(self.tensor), index)
 
     def value_at(self, index: Tensor) -> Tensor:
-        return gather(self.tensor, index).float()
+        return take(self.tensor, index).float()
 
     def spacing_at(self, index: Tensor) -> Tensor | None:
-        return dtype_ulp(gather(self.tensor, index)) if self.tensor.is_floating_point() else None
+        return dtype_ulp(take(self.tensor, index)) if self.tensor.is_floating_point() else None
 
 
 _SPACING_TABLES: dict[int, tuple[weakref.ref, Tensor]] = {}  # id(map) -> (the map, its spacing table)
@@ -271,8 +259,6 @@ def _spacing_table(qmap: Tensor) -> Tensor:
     share one map among all their parameters) and dropped with it."""
     entry = _SPACING_TABLES.get(id(qmap))
     if entry is None or entry[0]() is not qmap:
-        from lightning_stale.formats.base import grid_spacing_table
-
         entry = (weakref.ref(qmap), grid_spacing_table(qmap.detach().float().cpu()).to(qmap.device))
         _SPACING_TABLES[id(qmap)] = entry
         weakref.finalize(qmap, _SPACING_TABLES.pop, id(qmap), None)
@@ -299,10 +285,10 @@ class BlockQmapSlot(Slot):
         return self.qmap[codes] * self.scale.repeat_interleave(self.block_size)[: codes.numel()]
 
     def codes_at(self, index: Tensor) -> Tensor:
-        return gather(self.stored, index)
+        return take(self.stored, index)
 
     def value_at(self, index: Tensor) -> Tensor:
-        return gather(self.qmap, self.codes_at(index).long()) * gather(self.scale, index // self.block_size)
+        return take(self.qmap, self.codes_at(index).long()) * take(self.scale, index // self.block_size)
 
     def spacing(self) -> Tensor | None:
         from lightning_stale.formats.int8_dynamic import spacing_from_codes
@@ -310,7 +296,7 @@ class BlockQmapSlot(Slot):
         return spacing_from_codes(self.codes().reshape(-1), self.scale.reshape(-1), self.qmap, self.block_size)
 
     def spacing_at(self, index: Tensor) -> Tensor | None:
-        return gather(_spacing_table(self.qmap), self.codes_at(index).long()) * gather(self.scale,
+        return take(_spacing_table(self.qmap), self.codes_at(index).long()) * take(self.scale,
                                                                                       index // self.block_size)
 
     def zero_code(self) -> int | None:
@@ -335,16 +321,13 @@ class Packed4bitSlot(BlockQmapSlot):
         return self.stored.data_ptr()
 
     def codes(self) -> Tensor:
-        packed = self.stored.reshape(-1)
-        return torch.stack([packed >> 4, packed & 0b1111], dim=-1).reshape(-1)[: self.numel]
+        return unpack_nibbles(self.stored, self.numel)
 
     def codes_at(self, index: Tensor) -> Tensor:
-        byte = gather(self.stored, index // 2)
+        byte = take(self.stored, index // 2)
         return torch.where(index % 2 == 0, byte >> 4, byte & 0b1111)
 
     def spacing(self) -> Tensor | None:
-        from lightning_stale.formats.base import grid_spacing_table
-
         codes = self.codes().long()
         table = grid_spacing_table(self.qmap.detach().float().cpu()).to(codes.device)
         return table[codes] * self.scale.repeat_interleave(self.block_size)[: codes.numel()]
@@ -365,13 +348,13 @@ class BlockFp8Slot(Slot):
         return self.stored.reshape(-1).float() * self.scale.repeat_interleave(self.block_size)
 
     def codes_at(self, index: Tensor) -> Tensor:
-        return gather(_bit_view(self.stored), index)
+        return take(_bit_view(self.stored), index)
 
     def value_at(self, index: Tensor) -> Tensor:
-        return gather(self.stored, index).float() * gather(self.scale, index // self.block_size)
+        return take(self.stored, index).float() * take(self.scale, index // self.block_size)
 
     def spacing(self) -> Tensor | None:
-        return fp8_e4m3_ulp(self.stored.reshape(-1)) * self.scale.repeat_interleave(self.block_size)
+        return e4m3_spacing(self.stored.reshape(-1)) * self.scale.repeat_interleave(self.block_size)
 
     def spacing_at(self, index: Tensor) -> Tensor | None:
-        return fp8_e4m3_ulp(gather(self.stored, index)) * gather(self.scale, index // self.block_size)
+        return e4m3_spacing(take(self.stored, index)) * take(self.scale, index // self.block_size)

@@ -69,14 +69,13 @@ class BitsAndBytesAdapter(SharedStepAdapter):
     def _slot(self, p: Tensor, state: dict, key: str, half: int | None, moment: Moment, beta: float | None) -> Slot:
         stored = state[key] if half is None else state[key][half]
         name = key if half is None else f"{key}[{half}]"
-        signal = "g" if moment == "m" else "g2"
         extra = {"split": half is not None}
         if stored.dtype == torch.uint8:
             n = key[-1]
             scale = state[f"absmax{n}"] if half is None else state[f"absmax{n}"][half]
-            return BlockQmapSlot(p, moment, beta, "int8_dynamic", name, signal=signal, extra=extra, stored=stored,
+            return BlockQmapSlot(p, moment, beta, "int8_dynamic", name, extra=extra, stored=stored,
                                  scale=scale, qmap=state[f"qmap{n}"], block_size=BLOCK)
-        return FloatSlot(p, moment, beta, "fp32", name, signal=signal, extra=extra, tensor=stored)
+        return FloatSlot(p, moment, beta, "fp32", name, extra=extra, tensor=stored)
 
     def present_moments(self) -> frozenset[Moment]:
         return frozenset(moment for _, _, moment, _ in self.layout)

@@ -49,8 +49,7 @@ class GenericAdapter(OptimizerAdapter):
                 if _is_state_tensor(key, value):
                     moment = guess_moment(key)
                     fmt = FLOAT_FORMATS.get(value.dtype, str(value.dtype).removeprefix("torch."))
-                    out.append(FloatSlot(p, moment, None, fmt, key, signal="g" if moment == "m" else "g2",
-                                         tensor=local_tensor(value)))
+                    out.append(FloatSlot(p, moment, None, fmt, key, tensor=local_tensor(value)))
         self._announce(out)
         return out
 

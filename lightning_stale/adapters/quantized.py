@@ -29,7 +29,7 @@ from lightning_stale.adapters.base import (
 )
 from lightning_stale.adapters.restart import restarted_v, round_up_blockwise, round_up_float, round_up_fp8_blockwise
 from lightning_stale.formats import QuantizedState, StateFormat
-from lightning_stale.formats.fp4 import pack
+from lightning_stale.formats.base import pack_nibbles
 from lightning_stale.formats.int8_dynamic import BLOCK_SIZE as INT8_BLOCK
 from lightning_stale.formats.int8_dynamic import dynamic_map
 from lightning_stale.optim import QuantizedAdamW
@@ -41,24 +41,23 @@ FP4_BLOCK = 128
 def fp4_values(fmt: StateFormat) -> Tensor:
     """The 16 values of the format's 4-bit codes (scale 1), by code."""
     codes = torch.arange(16, dtype=torch.uint8)
-    return fmt.dequantize(QuantizedState(pack(codes), torch.ones(1), torch.Size([16])))
+    return fmt.dequantize(QuantizedState(pack_nibbles(codes), torch.ones(1), torch.Size([16])))
 
 
 def format_slot(p: Tensor, moment: Moment, beta: float, fmt: StateFormat, q: QuantizedState) -> Slot:
     """A slot over one stored moment, using the slot layout that matches the format's storage."""
-    common = dict(signal="g" if moment == "m" else "g2")
     key = KEYS[moment]
     if fmt.name == "int8_dynamic":
         return BlockQmapSlot(p, moment, beta, fmt.name, key, stored=q.codes, scale=q.scale,
-                             qmap=dynamic_map(fmt.signed), block_size=INT8_BLOCK, **common)
+                             qmap=dynamic_map(fmt.signed), block_size=INT8_BLOCK)
     if fmt.name == "fp4":
         return Packed4bitSlot(p, moment, beta, fmt.name, key, stored=q.codes, scale=q.scale, qmap=fp4_values(fmt),
-                              block_size=FP4_BLOCK, **common)
+                              block_size=FP4_BLOCK)
     if fmt.name == "fp8_e4m3":  # one scale for the whole tensor
         return BlockFp8Slot(p, moment, beta, fmt.name, key, stored=q.codes, scale=q.scale,
-                            block_size=q.codes.numel(), **common)
+                            block_size=q.codes.numel())
     if q.scale is None:
-        return FloatSlot(p, moment, beta, fmt.name, key, tensor=q.codes, **common)
+        return FloatSlot(p, moment, beta, fmt.name, key, tensor=q.codes)
     raise TypeError(f"QuantizedAdamW adapter: no slot layout for state format {fmt.name!r}")
 
 
@@ -126,7 +125,7 @@ def write_rounded_up(fmt: StateFormat, q: QuantizedState, target: Tensor) -> Non
             q.codes.view(-1).copy_(codes)
         else:
             padded = torch.cat([codes, codes.new_zeros(codes.numel() % 2)])
-            q.codes.copy_(pack(padded))
+            q.codes.copy_(pack_nibbles(padded))
     else:
         raise TypeError(f"QuantizedAdamW adapter: no rounded-up writer for state format {fmt.name!r}")
 

@@ -29,8 +29,7 @@ from lightning_stale.adapters.restart import restarted_v, round_up_float
 def float_slot(param: Tensor, state: dict, key: str, moment: Moment, beta: float | None) -> FloatSlot:
     """A slot over the plain float tensor ``state[key]`` (this process's shard of a DTensor state under FSDP2)."""
     tensor = local_tensor(state[key])
-    return FloatSlot(param, moment, beta, FLOAT_FORMATS.get(tensor.dtype, str(tensor.dtype)), key,
-                     signal="g" if moment == "m" else "g2", tensor=tensor)
+    return FloatSlot(param, moment, beta, FLOAT_FORMATS.get(tensor.dtype, str(tensor.dtype)), key, tensor=tensor)
 
 
 class TorchAdamAdapter(SharedStepAdapter):

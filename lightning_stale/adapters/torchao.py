@@ -47,18 +47,17 @@ KEYS: tuple[tuple[str, Moment, int], ...] = (("exp_avg", "m", 0), ("exp_avg_sq",
 def buffer_slot(p: Tensor, buf: Tensor, key: str, moment: Moment, beta: float) -> Slot:
     """The slot reading one torchao state buffer, whatever its storage (this process's shard under FSDP2)."""
     buf = local_tensor(buf)
-    signal = "g" if moment == "m" else "g2"
     if isinstance(buf, OptimState8bit):
-        return BlockQmapSlot(p, moment, beta, "int8_dynamic", key, signal=signal, stored=buf.codes,
+        return BlockQmapSlot(p, moment, beta, "int8_dynamic", key, stored=buf.codes,
                              scale=buf.scale, qmap=buf.qmap, block_size=buf.block_size)
     if isinstance(buf, OptimState4bit):
         fmt = "torchao_4bit_dynamic" if buf.signed else "torchao_4bit_linear_nozero"
-        return Packed4bitSlot(p, moment, beta, fmt, key, signal=signal, stored=buf.codes, scale=buf.scale,
+        return Packed4bitSlot(p, moment, beta, fmt, key, stored=buf.codes, scale=buf.scale,
                               qmap=buf.qmap, block_size=buf.block_size)
     if isinstance(buf, OptimStateFp8):
-        return BlockFp8Slot(p, moment, beta, "fp8_e4m3", key, signal=signal, stored=buf.codes, scale=buf.scale,
+        return BlockFp8Slot(p, moment, beta, "fp8_e4m3", key, stored=buf.codes, scale=buf.scale,
                             block_size=buf.block_size)
-    return FloatSlot(p, moment, beta, FLOAT_FORMATS.get(buf.dtype, str(buf.dtype)), key, signal=signal, tensor=buf)
+    return FloatSlot(p, moment, beta, FLOAT_FORMATS.get(buf.dtype, str(buf.dtype)), key, tensor=buf)
 
 
 def zero_buffer(buf: Tensor) -> None:
@@ -80,7 +79,7 @@ def write_rounded_up(buf: Tensor, target: Tensor) -> None:
         buf.scale.copy_(absmax.clip(1e-12))
     elif isinstance(buf, OptimState4bit):
         codes, absmax = round_up_blockwise(target, buf.qmap, buf.block_size)
-        buf.codes.copy_((codes[0::2] << 4) | codes[1::2])
+        buf.codes.view(-1).copy_(pack_nibbles(codes))
         buf.scale.copy_(absmax.clip(1e-12))
     elif isinstance(buf, OptimStateFp8):
         codes, scale = round_up_fp8_blockwise(target.reshape(-1), buf.block_size)

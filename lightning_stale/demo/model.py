@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_stale.vocab import check_choice, check_int, check_rounding
+
 OPTIMIZER_KINDS = ("adamw", "bnb_adamw8bit", "quantized")
 STATE_FORMATS = ("fp8_e4m3", "fp4", "bf16", "int8_dynamic", "fp32")
-ROUNDINGS = ("nearest", "stochastic")
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,7 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "hidden", "context"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_int(name, getattr(self, name))
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(
                 f"dim ({self.dim}) / n_heads ({self.n_heads}) must be an even integer for rotary positions"
@@ -59,12 +59,9 @@ class OptimizerSpec:
     min_quantized_size: int = 128
 
     def __post_init__(self) -> None:
-        if self.kind not in OPTIMIZER_KINDS:
-            raise ValueError(f"kind must be one of {OPTIMIZER_KINDS}, got {self.kind!r}")
-        if self.state_format not in STATE_FORMATS:
-            raise ValueError(f"state_format must be one of {STATE_FORMATS}, got {self.state_format!r}")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        check_choice("kind", self.kind, OPTIMIZER_KINDS)
+        check_choice("state_format", self.state_format, STATE_FORMATS)
+        check_rounding(self.rounding)
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
@@ -219,8 +216,7 @@ class LanguageModel(pl.LightningModule):
         min_lr_ratio: float = 0.1,
     ) -> None:
         super().__init__()
-        if total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        check_int("total_steps", total_steps)
         self.config = config or DecoderConfig()
         self.optimizer_spec = optimizer or OptimizerSpec()
         self.total_steps, self.warmup_fraction, self.min_lr_ratio = total_steps, warmup_fraction, min_lr_ratio

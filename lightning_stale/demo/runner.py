@@ -20,15 +20,17 @@ from pathlib import Path
 
 import torch
 
+from lightning_stale import metrics
 from lightning_stale.demo.data import DEFAULT_MAX_BYTES, ByteCorpus, load_corpus
 from lightning_stale.demo.model import DecoderConfig, LanguageModel, OptimizerSpec
+from lightning_stale.vocab import check_int
 
-STALL_KEYS = {
-    "v_frac": "stale/v/frac",
-    "v_predicted": "stale/v/predicted",
-    "v_drift": "stale/v/drift",
-    "m_frac": "stale/m/frac",
-    "resets": "stale/resets",
+STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabulates and plots
+    "v_frac": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.FRAC),
+    "v_predicted": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.PREDICTED),
+    "v_drift": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.DRIFT),
+    "m_frac": metrics.key(metrics.DEFAULT_PREFIX, "m", metrics.FRAC),
+    "resets": metrics.key(metrics.DEFAULT_PREFIX, metrics.RESETS),
 }
 FP32_CONTROL_PERIOD = 300  # the paper's fp8 reset period
 MIN_GAP_FOR_SHARE = 0.005  # below this gap (about the seed noise at CPU scale) a "share recovered" means nothing
@@ -132,10 +134,9 @@ class DemoSettings:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "evaluations", "val_batches", "log_every", "max_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be None or >= 1, got {self.threads}")
+            check_int(name, getattr(self, name))
+        if self.threads is not None:
+            check_int("threads", self.threads)
 
 
 @dataclass

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from lightning_stale.formats.base import ROUNDINGS, QuantizedState, StateFormat, check_rounding
+from lightning_stale.formats.base import QuantizedState, StateFormat
 from lightning_stale.formats.floats import Bf16Format, Fp16Format, Fp32Format
 from lightning_stale.formats.fp4 import Fp4Format
 from lightning_stale.formats.fp8 import Fp8E4M3Format
 from lightning_stale.formats.int8_dynamic import Int8DynamicFormat
+from lightning_stale.vocab import ROUNDINGS, check_choice, check_rounding
 
 _FORMATS: dict[str, type[StateFormat]] = {
     "fp32": Fp32Format,
@@ -27,8 +28,7 @@ FORMAT_NAMES: tuple[str, ...] = tuple(_FORMATS)
 
 def check_format_name(name: object, argument: str = "state_format") -> None:
     """Raise a ValueError naming the allowed values unless ``name`` is a known format name."""
-    if name not in _FORMATS:
-        raise ValueError(f"{argument} must be one of {FORMAT_NAMES}, got {name!r}")
+    check_choice(argument, name, FORMAT_NAMES)
 
 
 @lru_cache(maxsize=None)

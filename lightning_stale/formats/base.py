@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
+from lightning_stale.vocab import check_rounding
 
 
 @dataclass(eq=False)
@@ -23,12 +23,6 @@ class QuantizedState:
     codes: Tensor
     scale: Tensor | None
     shape: torch.Size
-
-
-def check_rounding(rounding: str) -> None:
-    """Raise a ValueError naming the allowed values unless ``rounding`` is a known rounding mode."""
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
 
 
 NOISE_BITS = 16  # stochastic rounding noise: uniform integers in [0, 2^16), exact as fp32 fractions k / 2^16
@@ -184,10 +178,37 @@ def nearest_thresholds(grid: Tensor) -> Tensor:
     return t
 
 
-def gather(table: Tensor, index: Tensor) -> Tensor:
-    """``table[index]`` for a small 1-D table and an int32/int64 index of any shape (index_select: much faster on CPU
-    than advanced indexing)."""
-    return torch.index_select(table, 0, index.reshape(-1)).view(index.shape)
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """Pack 4-bit codes (uint8, flat, even length) two per byte, the first element in the high nibble: the layout of
+    our fp4 format and of torchao's 4-bit states."""
+    pairs = codes.view(-1, 2)
+    return (pairs[:, 0] << 4) | pairs[:, 1]
+
+
+def unpack_nibbles(packed: Tensor, numel: int | None = None) -> Tensor:
+    """Inverse of :func:`pack_nibbles`: the first ``numel`` codes (all ``2 * packed.numel()`` by default), flat."""
+    codes = torch.stack((packed.reshape(-1) >> 4, packed.reshape(-1) & 15), dim=1).view(-1)
+    return codes if numel is None else codes[:numel]
+
+
+_DEVICE_TABLES: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def on_device(table: Tensor, device: torch.device) -> Tensor:
+    """``table`` on ``device``: the formats' lookup tables are built once on the CPU and meet codes on any device, so
+    each (table, device) pair is copied once and kept (with the original, so its id is never reused)."""
+    if table.device == device:
+        return table
+    key = (id(table), device)
+    if key not in _DEVICE_TABLES:
+        _DEVICE_TABLES[key] = (table, table.to(device))
+    return _DEVICE_TABLES[key][1]
+
+
+def lookup(table: Tensor, index: Tensor) -> Tensor:
+    """``table[index]`` for a small 1-D table and an int32/int64 index of any shape, on the index's device
+    (index_select: much faster on CPU than advanced indexing)."""
+    return torch.index_select(on_device(table, index.device), 0, index.reshape(-1)).view(index.shape)
 
 
 def high_half(x: Tensor) -> Tensor:
@@ -232,7 +253,7 @@ class GridRounder:
     @staticmethod
     def _lookup(x: Tensor, base: Tensor, step: Tensor) -> Tensor:
         bucket = high_half(x)
-        return gather(base, bucket).add_(x >= gather(step, bucket))
+        return lookup(base, bucket).add_(x >= lookup(step, bucket))
 
     def __call__(self, x: Tensor, noise: Tensor | None) -> Tensor:
         """Grid index (uint8) of each element of the contiguous fp32 ``x``. Nearest (``noise`` None): torchao's rule.
@@ -245,8 +266,8 @@ class GridRounder:
         x = x.clamp(self.low, self.high)
         lo = self._lookup(x, self.floor_base, self.floor_step)
         lo_index = lo.int()
-        frac = x - gather(self.grid, lo_index)
-        return lo.add_(frac > uniform_from_bits(noise.reshape(x.shape)).mul_(gather(self.gaps, lo_index)))
+        frac = x - lookup(self.grid, lo_index)
+        return lo.add_(frac > uniform_from_bits(noise.reshape(x.shape)).mul_(lookup(self.gaps, lo_index)))
 
 
 def grid_spacing_table(values: Tensor) -> Tensor:

@@ -19,9 +19,11 @@ from lightning_stale.formats.base import (
     QuantizedState,
     StateFormat,
     as_blocks,
-    gather,
+    lookup,
     grid_spacing_table,
     num_blocks,
+    pack_nibbles,
+    unpack_nibbles,
 )
 
 BLOCK_SIZE = 128
@@ -39,17 +41,6 @@ def _tables(signed: bool) -> tuple[GridRounder, Tensor, Tensor]:
         grid = torch.tensor(E2M2_NO_ZERO) / 14.0
         values = grid.clone()
     return GridRounder(grid), values, grid_spacing_table(values)
-
-
-def pack(codes: Tensor) -> Tensor:
-    """Pack 4-bit codes (uint8, flat, even length) two per byte: the first element in the high nibble."""
-    pairs = codes.view(-1, 2)
-    return (pairs[:, 0] << 4) | pairs[:, 1]
-
-
-def unpack(packed: Tensor, numel: int) -> Tensor:
-    """Inverse of :func:`pack`: ``numel`` uint8 codes."""
-    return torch.stack((packed >> 4, packed & 15), dim=1).view(-1)[:numel]
 
 
 class Fp4Format(StateFormat):
@@ -76,16 +67,16 @@ class Fp4Format(StateFormat):
             codes = codes | ((normalized < 0) & (codes > 0)).to(torch.uint8) << 3
         else:
             codes = rounder(normalized, noise)
-        packed = pack(codes.view(-1))
+        packed = pack_nibbles(codes.view(-1))
         return QuantizedState(packed[: (x.numel() + 1) // 2].clone(), scale, x.shape)
 
     def element_codes(self, q: QuantizedState) -> Tensor:
         """The 4-bit codes unpacked, one uint8 per element, flat."""
-        return unpack(q.codes, q.shape.numel())
+        return unpack_nibbles(q.codes, q.shape.numel())
 
     def _per_code(self, q: QuantizedState, table: Tensor) -> Tensor:
         numel = q.shape.numel()
-        normalized = gather(table, self.element_codes(q).int())
+        normalized = lookup(table, self.element_codes(q).int())
         return (as_blocks(normalized, BLOCK_SIZE) * q.scale.view(-1, 1)).view(-1)[:numel].view(q.shape)
 
     def dequantize(self, q: QuantizedState) -> Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_stale.formats.base import QuantizedState, StateFormat, gather
+from lightning_stale.formats.base import QuantizedState, StateFormat, lookup
 from lightning_stale.formats.floats import float_ulp, stochastic_round_float
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -17,11 +17,17 @@ FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(torch.float
 
 
 def fp8_to_float(codes: Tensor) -> Tensor:
-    """fp32 values of float8_e4m3fn ``codes`` (same shape). Exact either way: the table in eager mode, the cast
-    (vectorized by Inductor, where a table gather is not) inside torch.compile."""
-    if torch.compiler.is_compiling():
+    """fp32 values of float8_e4m3fn ``codes`` (same shape). Exact either way: the table in eager mode on the CPU, the
+    cast on other devices and inside torch.compile (vectorized by Inductor, where a table gather is not)."""
+    if torch.compiler.is_compiling() or codes.device.type != "cpu":
         return codes.to(torch.float32)
-    return gather(FP8_VALUES, codes.view(torch.uint8).int())
+    return lookup(FP8_VALUES, codes.view(torch.uint8).int())
+
+
+def e4m3_spacing(codes: Tensor) -> Tensor:
+    """Ulp-convention spacing of unscaled float8_e4m3fn ``codes`` as fp32 (same shape); 448, the largest finite value,
+    gets the gap below it."""
+    return float_ulp(fp8_to_float(codes).abs(), FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
 
 
 class Fp8E4M3Format(StateFormat):
@@ -42,8 +48,7 @@ class Fp8E4M3Format(StateFormat):
         return (fp8_to_float(q.codes) * q.scale).reshape(q.shape)
 
     def spacing(self, q: QuantizedState) -> Tensor:
-        stored = fp8_to_float(q.codes).abs()
-        return (float_ulp(stored, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT) * q.scale).reshape(q.shape)
+        return (e4m3_spacing(q.codes) * q.scale).reshape(q.shape)
 
     def empty(self, shape: torch.Size | tuple[int, ...]) -> QuantizedState:
         return QuantizedState(torch.zeros(shape, dtype=FP8_DTYPE), torch.zeros(1), torch.Size(shape))

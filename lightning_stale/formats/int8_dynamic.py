@@ -16,7 +16,7 @@ from lightning_stale.formats.base import (
     QuantizedState,
     StateFormat,
     as_blocks,
-    gather,
+    lookup,
     grid_spacing_table,
     num_blocks,
 )
@@ -83,7 +83,7 @@ class Int8DynamicFormat(StateFormat):
 
     def dequantize(self, q: QuantizedState) -> Tensor:
         qmap = self._map
-        values = as_blocks(gather(qmap, q.codes.reshape(-1).int()), BLOCK_SIZE) * q.scale.view(-1, 1)
+        values = as_blocks(lookup(qmap, q.codes.reshape(-1).int()), BLOCK_SIZE) * q.scale.view(-1, 1)
         return values.view(-1)[: q.codes.numel()].view(q.shape)
 
     def spacing(self, q: QuantizedState) -> Tensor:

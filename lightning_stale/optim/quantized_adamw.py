@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from itertools import chain
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 import torch._inductor.config
@@ -32,9 +32,8 @@ from lightning_stale.formats import (
     get_format,
 )
 from lightning_stale.formats.base import counter_bits
+from lightning_stale.vocab import MOMENTS, Moment, check_choice, check_moments
 
-Moment = Literal["m", "v"]
-MOMENTS: tuple[Moment, ...] = ("m", "v")
 _KEYS = {"m": ("exp_avg", "exp_avg_scale", "step_m"), "v": ("exp_avg_sq", "exp_avg_sq_scale", "step_v")}
 _GENERATOR_KEY = "generator_state"
 COMPILE_MIN_NUMEL = 1 << 16  # compile=None compiles the step of parameters at least this large
@@ -154,13 +153,13 @@ class QuantizedAdamW(torch.optim.Optimizer):
 
     def moment_format(self, param: Tensor, moment: Moment) -> StateFormat:
         """The format ``param``'s moment ``"m"`` or ``"v"`` is stored in."""
-        _check_moment(moment)
+        check_choice("moment", moment, MOMENTS)
         return self._format_in_group(self._group_of(param), param, moment)
 
     def moment_state(self, param: Tensor, moment: Moment) -> QuantizedState:
         """The stored moment of ``param`` as a :class:`QuantizedState` whose tensors are the optimizer's own (views,
         so in-place edits change the optimizer). Creates the fresh state if the parameter has not stepped yet."""
-        _check_moment(moment)
+        check_choice("moment", moment, MOMENTS)
         return _stored(self._state_for(param, self._group_of(param)), param, moment)
 
     def _state_for(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
@@ -187,9 +186,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def reset_moments(self, moments: Sequence[Moment] = MOMENTS, params: Iterable[Tensor] | None = None) -> None:
         """The paper's reset, in place: each chosen moment back to its fresh (zero) value and its own age to 0."""
-        moments = tuple(moments)
-        for moment in moments:
-            _check_moment(moment)
+        moments = check_moments(moments)
         chosen = None if params is None else {id(p) for p in params}
         for group in self.param_groups:
             for param in group["params"]:
@@ -379,8 +376,3 @@ def compiler_available() -> bool:
 def _stored(state: dict[str, Any], param: Tensor, moment: Moment) -> QuantizedState:
     codes_key, scale_key, _ = _KEYS[moment]
     return QuantizedState(state[codes_key], state.get(scale_key), param.shape)
-
-
-def _check_moment(moment: str) -> None:
-    if moment not in MOMENTS:
-        raise ValueError(f"moment must be one of {MOMENTS}, got {moment!r}")

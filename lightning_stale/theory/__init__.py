@@ -8,7 +8,6 @@ values (int8 dynamic map with block scales, scaled FP8/FP4, bitsandbytes/torchao
 from lightning_stale.theory.grid import GridEstimate, estimate_grid, relative_spacing, rho_from_relative_spacing
 from lightning_stale.theory.stalling import (
     FORMAT_EPSILON,
-    ROUNDINGS,
     check_beta,
     chi2_cdf,
     chi2_ppf,
@@ -24,6 +23,7 @@ from lightning_stale.theory.stalling import (
     startup_window,
     statistical_error,
 )
+from lightning_stale.vocab import ROUNDINGS
 
 __all__ = [
     "FORMAT_EPSILON",

@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from lightning_stale.formats import QuantizedState, get_format
-from lightning_stale.formats.base import as_blocks
+from lightning_stale.formats.base import as_blocks, unpack_nibbles
 from lightning_stale.formats.floats import float_ulp
+from lightning_stale.formats.fp8 import e4m3_spacing
 from lightning_stale.formats.int8_dynamic import spacing_from_codes
 
 BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"
@@ -128,11 +129,10 @@ def _torchao(v: Any) -> tuple[Tensor, Tensor, str]:
         stored = codes.float().reshape(-1)
         blocks = scale.reshape(-1, 1).float()
         values = (as_blocks(stored, block) * blocks).reshape(-1)[: stored.numel()]
-        ulp = (as_blocks(float_ulp(stored.abs(), 3, -6), block) * blocks).reshape(-1)[: stored.numel()]
+        ulp = (as_blocks(e4m3_spacing(codes.reshape(-1)), block) * blocks).reshape(-1)[: stored.numel()]
         return values, ulp, "torchao fp8"
     if qmap.numel() == 16:  # OptimState4bit: two nibbles per byte, first element in the high nibble
-        flat = codes.reshape(-1)
-        codes = torch.stack((flat >> 4, flat & 15), dim=1).reshape(-1)
+        codes = unpack_nibbles(codes)
         return _block_map(codes, scale, qmap, block) + ("torchao 4-bit",)
     return _block_map(codes, scale, qmap, block) + ("torchao 8-bit",)
 

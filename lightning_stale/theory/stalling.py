@@ -18,7 +18,8 @@ from typing import overload
 import numpy as np
 import torch
 
-ROUNDINGS = ("nearest", "stochastic")
+from lightning_stale.vocab import check_rounding
+
 
 # Relative grid parameter eps = 2^-p (p = mantissa bits) of the float formats the model applies to (paper §3.1, A.1).
 FORMAT_EPSILON: dict[str, float] = {
@@ -59,13 +60,6 @@ def check_rho(rho: float) -> float:
     if not (rho > 0.0 and math.isfinite(rho)):
         raise ValueError(f"rho must be a finite number > 0, got {rho!r}")
     return rho
-
-
-def check_rounding(rounding: str) -> str:
-    """Return ``rounding``, or raise ValueError unless it is one of ``ROUNDINGS``."""
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    return rounding
 
 
 # ---------------------------------------------------------------------------------------------------- chi-square(1)

@@ -1,0 +1,71 @@
+"""The package's shared vocabulary: moment and rounding names and the argument checks, each defined once.
+
+Every module that names a moment or a rounding mode, or validates a user argument, uses these, so a value is spelled
+one way everywhere and every invalid argument fails the same way: ``ValueError("`name` must be <what>, got <value>")``
+raised where the argument is given (construction or setup), never inside a training step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, TypeVar
+
+Moment = Literal["m", "v"]
+MOMENTS: tuple[Moment, ...] = ("m", "v")
+# What each moment is an EMA of: the first moment averages g, the second g**2 (drift shadows follow the same signal).
+SIGNALS: dict[str, Literal["g", "g2"]] = {"m": "g", "v": "g2"}
+
+Rounding = Literal["nearest", "stochastic"]
+ROUNDINGS: tuple[Rounding, ...] = ("nearest", "stochastic")
+
+T = TypeVar("T")
+
+
+def invalid(name: str, what: str, value: object) -> ValueError:
+    """The one message shape for a bad argument: ```name` must be <what>, got <value>``."""
+    return ValueError(f"`{name}` must be {what}, got {value!r}")
+
+
+def check_choice(name: str, value: T, allowed: Sequence[T]) -> T:
+    """``value`` if it is one of ``allowed``; otherwise a ValueError naming the argument and the allowed values."""
+    if value not in allowed:
+        raise invalid(name, f"one of {tuple(allowed)}", value)
+    return value
+
+
+def check_rounding(rounding: str, name: str = "rounding") -> Rounding:
+    """``rounding`` if it is one of :data:`ROUNDINGS`."""
+    return check_choice(name, rounding, ROUNDINGS)  # type: ignore[return-value]
+
+
+def check_moments(moments: Sequence[str] | None, name: str = "moments") -> tuple[Moment, ...]:
+    """The distinct moments of a non-empty tuple, in canonical order; ``None`` means both. A plain string is refused
+    (``"v"`` reads as ``("v",)`` but ``"mv"`` would not), so ``moments=("v",)`` is spelled as a tuple everywhere."""
+    if moments is None:
+        return MOMENTS
+    if isinstance(moments, str) or not moments or any(m not in MOMENTS for m in moments):
+        raise invalid(name, f"a non-empty tuple drawn from {MOMENTS}", moments)
+    return tuple(m for m in MOMENTS if m in moments)
+
+
+def check_int(name: str, value: object, minimum: int = 1, unit: str = "") -> int:
+    """``value`` if it is an int (not a bool) of at least ``minimum``; ``unit`` names what it counts, for the
+    message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise invalid(name, f"{what} ({unit})" if unit else what, value)
+    return value
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is True or False."""
+    if not isinstance(value, bool):
+        raise invalid(name, "True or False", value)
+    return value
+
+
+def check_open_unit(name: str, value: object, note: str = "") -> float:
+    """``value`` as a float if it is a number strictly between 0 and 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise invalid(name, f"a float in (0, 1){note}", value)
+    return float(value)
