@@ -103,3 +103,40 @@ def local_tensor(tensor: Any) -> Any:
 def is_sharded(tensor: Any) -> bool:
     """True for a ``DTensor`` (its elements are spread over processes)."""
     return _DTENSOR is not None and isinstance(tensor, _DTENSOR)
+
+
+def unwrap_lightning_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper (its private ``_optimizer``; the public
+    ``.optimizer`` property where that is gone), else ``optimizer`` itself."""
+    import torch
+
+    while True:
+        inner = getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) and type(optimizer).__name__ == "LightningOptimizer":
+            inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            return optimizer
+        optimizer = inner
+
+
+def torchao_optimizer_classes() -> tuple[type, ...]:
+    """torchao's low-bit Adam classes: their private common base ``_AdamBase`` (which covers subclasses users
+    write), or the public classes of ``torchao.optim`` if the base moved."""
+    try:
+        from torchao.optim.adam import _AdamBase
+    except ImportError:
+        import torchao.optim as ao
+
+        names = ("Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8")
+        return tuple(getattr(ao, n) for n in names if hasattr(ao, n))
+    return (_AdamBase,)
+
+
+def inductor_cxx() -> str | None:
+    """The C++ compiler Inductor's CPU backend is configured with (``torch._inductor.config.cpp.cxx``), or None."""
+    try:
+        import torch._inductor.config as inductor_config
+
+        return inductor_config.cpp.cxx[1]
+    except (ImportError, AttributeError, IndexError, TypeError):
+        return None

@@ -16,7 +16,6 @@ from adapter_checks import (
     first_update_ratio,
     make_params,
     run,
-    set_grads,
 )
 from lightning_stale.adapters import adapter_for
 from lightning_stale.formats.base import unpack_nibbles

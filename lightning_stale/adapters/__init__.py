@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 
 import torch
 
+from lightning_stale import _compat
 from lightning_stale.adapters.base import MOMENTS, Moment, OptimizerAdapter, Slot
 
 __all__ = ["ENTRY_POINT_GROUP", "MOMENTS", "Moment", "OptimizerAdapter", "Slot", "adapter_for", "register_adapter"]
@@ -74,10 +75,8 @@ def _lookup(optimizer: object) -> type[OptimizerAdapter] | None:
 
 
 def unwrap(optimizer: object) -> object:
-    """Strip Lightning's ``LightningOptimizer`` (``._optimizer``) wrapper."""
-    while isinstance(getattr(optimizer, "_optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer._optimizer
-    return optimizer
+    """Strip Lightning's ``LightningOptimizer`` wrapper."""
+    return _compat.unwrap_lightning_optimizer(optimizer)
 
 
 def adapter_for(optimizer: object, strict: bool = True) -> OptimizerAdapter:

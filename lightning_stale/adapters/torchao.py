@@ -18,12 +18,11 @@ from __future__ import annotations
 
 
 from torch import Tensor
-from torchao.optim.adam import _AdamBase
 from torchao.optim.subclass_4bit import OptimState4bit
 from torchao.optim.subclass_8bit import OptimState8bit
 from torchao.optim.subclass_fp8 import OptimStateFp8
 
-from lightning_stale._compat import local_tensor
+from lightning_stale._compat import local_tensor, torchao_optimizer_classes
 from lightning_stale.adapters.base import (
     FLOAT_FORMATS,
     BlockFp8Slot,
@@ -40,6 +39,7 @@ from lightning_stale.adapters.restart import (
     round_up_float,
     round_up_fp8_blockwise,
 )
+from lightning_stale.formats.base import pack_nibbles
 
 KEYS: tuple[tuple[str, Moment, int], ...] = (("exp_avg", "m", 0), ("exp_avg_sq", "v", 1))
 
@@ -130,4 +130,4 @@ class TorchAOAdapter(SharedStepAdapter):
                 write_rounded_up(state[key], target)
 
 
-ADAPTERS = {_AdamBase: TorchAOAdapter}
+ADAPTERS = {cls: TorchAOAdapter for cls in torchao_optimizer_classes()}

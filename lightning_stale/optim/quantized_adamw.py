@@ -20,9 +20,9 @@ from itertools import chain
 from typing import Any, Callable
 
 import torch
-import torch._inductor.config
 from torch import Tensor
 
+from lightning_stale import _compat
 from lightning_stale.formats import (
     FORMAT_NAMES,
     QuantizedState,
@@ -369,7 +369,7 @@ def _compiled_update() -> Callable[..., tuple[QuantizedState, QuantizedState, tu
 @lru_cache(maxsize=1)
 def compiler_available() -> bool:
     """Whether a C++ compiler for Inductor's CPU backend is on PATH."""
-    candidates = [torch._inductor.config.cpp.cxx[1], "g++", "c++", "clang++"]
+    candidates = [_compat.inductor_cxx(), "g++", "c++", "clang++"]
     return any(name and shutil.which(name) for name in candidates)
 
 
