@@ -20,56 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from lightning_stale.adapters.base import BlockFp8Slot, BlockQmapSlot, FloatSlot, Packed4bitSlot, Slot
-from lightning_stale.formats.base import pack_nibbles
-
-
-def stored_zero_mask(slot: Slot) -> Tensor:
-    """Flat bool mask of the elements whose stored value is exactly zero.
-
-    Plain float and 8-bit map layouts compare their codes directly (several times cheaper than dequantizing the
-    whole state every step); other slots compare their dequantized values.
-    """
-    if isinstance(slot, FloatSlot):
-        return (slot.tensor == 0).reshape(-1)
-    if isinstance(slot, BlockQmapSlot) and not isinstance(slot, Packed4bitSlot):
-        codes, scale = slot.codes().reshape(-1), slot.scale.reshape(-1)
-        if codes.numel() == scale.numel() * slot.block_size:  # whole blocks: broadcast the scale, no expansion
-            blocks = codes.view(-1, slot.block_size)
-            return ((blocks == _map_zero_code(slot)) | (scale == 0).unsqueeze(1)).view(-1)
-        return (codes == _map_zero_code(slot)) | (scale == 0).repeat_interleave(slot.block_size)[: codes.numel()]
-    return slot.value() == 0
-
-
-def zero_elements(slot: Slot, mask: Tensor) -> None:
-    """Store an exact zero in the elements of ``slot`` selected by the flat bool ``mask``, in place.
-
-    Slots that define their own ``zero_elements(mask)`` method are asked to do it; the built-in layouts of
-    :mod:`lightning_stale.adapters.base` write their zero code directly (scales are left alone).
-    """
-    own = getattr(slot, "zero_elements", None)
-    if callable(own):
-        own(mask)
-    elif isinstance(slot, FloatSlot):
-        slot.tensor.masked_fill_(mask.view(slot.tensor.shape), 0)
-    elif isinstance(slot, Packed4bitSlot):
-        codes = slot.codes().masked_fill(mask, _map_zero_code(slot))  # unpacked; repacked high nibble first
-        slot.stored.view(-1).copy_(pack_nibbles(codes))
-    elif isinstance(slot, BlockQmapSlot):
-        slot.stored.masked_fill_(mask.view(slot.stored.shape), _map_zero_code(slot))
-    elif isinstance(slot, BlockFp8Slot):
-        slot.stored.view(torch.uint8).masked_fill_(mask.view(slot.stored.shape), 0)
-    else:
-        raise TypeError(
-            f"underflow_guard cannot write zeros into slot {slot.key!r} ({type(slot).__name__}): give the slot class "
-            "a zero_elements(mask) method, or construct StaleStateCallback(underflow_guard=False)"
-        )
-
-
-def _map_zero_code(slot: BlockQmapSlot) -> Tensor:
-    """The code of the map entry nearest zero (an exact zero in every map bitsandbytes, torchao and
-    ``lightning_stale.formats`` use for a first moment), as a 0-d tensor on the map's device: no host sync."""
-    return torch.argmin(slot.qmap.reshape(-1).abs()).to(torch.uint8)
+from lightning_stale.adapters.base import Slot
 
 
 def guard_underflow(slots: Iterable[Slot]) -> Tensor:
@@ -86,13 +37,13 @@ def guard_underflow(slots: Iterable[Slot]) -> Tensor:
         m_slots = [s for s in group if s.moment == "m"]
         if not v_slots or not m_slots:
             continue
-        v_zero = stored_zero_mask(v_slots[0])
+        v_zero = v_slots[0].zero_mask()
         for v in v_slots[1:]:
-            v_zero |= stored_zero_mask(v)
+            v_zero |= v.zero_mask()
         for m in m_slots:
             if m.numel != v_zero.numel():
                 raise ValueError(f"slot {m.key!r} has {m.numel} elements but its second moment has {v_zero.numel()}")
-            hazard = v_zero & ~stored_zero_mask(m)
-            zero_elements(m, hazard)  # unconditionally: checking for hits first would sync with the device
+            hazard = v_zero & ~m.zero_mask()
+            m.zero_elements(hazard)  # unconditionally: checking for hits first would sync with the device
             counts.append(hazard.sum())
     return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)

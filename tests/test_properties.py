@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from adapter_checks import assert_states_equal
 from lightning_stale.adapters import adapter_for
 from lightning_stale.formats import FORMAT_NAMES, ROUNDINGS, get_format
-from lightning_stale.guard import guard_underflow, stored_zero_mask
+from lightning_stale.guard import guard_underflow
 from lightning_stale.optim import QuantizedAdamW
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,
@@ -181,7 +181,7 @@ def test_guard_leaves_no_zero_v_under_a_nonzero_m(setup, steps, data):
         guard_underflow(adapter.slots())
         by_param: dict[int, dict[str, Tensor]] = {}
         for slot in adapter.slots():
-            by_param.setdefault(id(slot.param), {})[slot.moment] = stored_zero_mask(slot)
+            by_param.setdefault(id(slot.param), {})[slot.moment] = slot.zero_mask()
         for zero in by_param.values():
             if "m" in zero and "v" in zero:
                 assert not bool((zero["v"] & ~zero["m"]).any()), kind

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_stale import StaleStateCallback
 from lightning_stale.adapters import adapter_for
 from lightning_stale.adapters.base import Slot
-from lightning_stale.guard import guard_underflow, stored_zero_mask, zero_elements
+from lightning_stale.guard import guard_underflow
 
 LR = 1e-3
 
@@ -110,9 +110,9 @@ def _check_guard(slots: list[Slot], inject: dict[int, torch.Tensor]) -> None:
         v, m = by_param[pid]["v"], by_param[pid]["m"]
         mask = torch.zeros(v.numel, dtype=torch.bool)
         mask[index] = True
-        zero_elements(v, mask)
-        assert bool(stored_zero_mask(v)[index].all())
-        hazard = stored_zero_mask(v) & ~stored_zero_mask(m)
+        v.zero_elements(mask)
+        assert bool(v.zero_mask()[index].all())
+        hazard = v.zero_mask() & ~m.zero_mask()
         expected_masks[pid] = hazard
         expected_total += int(hazard.sum())
     assert expected_total > 0
@@ -176,7 +176,7 @@ def test_guard_on_torchao_4bit_and_fp8_buffers():
             slots[1].scale[3] = 0.0
             hazard = torch.zeros(4096, dtype=torch.bool)
             hazard[3 * 128:4 * 128] = True
-            hazard &= ~stored_zero_mask(slots[0])
+            hazard &= ~slots[0].zero_mask()
             m_before = slots[0].codes().clone()
             assert int(guard_underflow(slots)) == int(hazard.sum()) > 0
             assert torch.equal(slots[0].codes() != m_before, hazard)

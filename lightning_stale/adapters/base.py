@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale._compat import local_tensor
-from lightning_stale.formats.base import grid_spacing_table, unpack_nibbles
+from lightning_stale.formats.base import grid_spacing_table, pack_nibbles, unpack_nibbles
 from lightning_stale.formats.fp8 import e4m3_spacing
 from lightning_stale.sampling import Sample
 from lightning_stale.vocab import MOMENTS, SIGNALS, Moment, check_moments
@@ -88,6 +88,18 @@ class Slot:
         """The per-element code that stores an exact zero whatever the scale (0 for the built-in layouts), or None
         when the grid has no zero. Called when the engine plans its batches, never per step."""
         return 0
+
+    def zero_mask(self) -> Tensor:
+        """Flat bool mask of the elements stored as exactly zero (what the underflow guard tests every step)."""
+        return self.value() == 0
+
+    def zero_elements(self, mask: Tensor) -> None:
+        """Store an exact zero, in place, in the elements selected by the flat bool ``mask`` (the underflow guard's
+        write; scales are left alone). Layouts that cannot write a zero raise TypeError."""
+        raise TypeError(
+            f"underflow_guard cannot write zeros into slot {self.key!r} ({type(self).__name__}): give the slot class "
+            "a zero_elements(mask) method, or construct StaleStateCallback(underflow_guard=False)"
+        )
 
     def codes_at(self, index: Tensor) -> Tensor:
         """Codes at flat indices ``index``."""
@@ -250,6 +262,12 @@ class FloatSlot(Slot):
     def spacing_at(self, index: Tensor) -> Tensor | None:
         return dtype_ulp(take(self.tensor, index)) if self.tensor.is_floating_point() else None
 
+    def zero_mask(self) -> Tensor:
+        return (self.tensor == 0).reshape(-1)
+
+    def zero_elements(self, mask: Tensor) -> None:
+        self.tensor.masked_fill_(mask.view(self.tensor.shape), 0)
+
 
 _SPACING_TABLES: dict[int, tuple[weakref.ref, Tensor]] = {}  # id(map) -> (the map, its spacing table)
 
@@ -303,6 +321,26 @@ class BlockQmapSlot(Slot):
         nearest = int(torch.argmin(self.qmap.reshape(-1).abs()))
         return nearest if float(self.qmap.reshape(-1)[nearest]) == 0.0 else None
 
+    def _nearest_zero(self) -> tuple[Tensor, Tensor]:
+        """(the code of the map entry nearest zero, whether that entry is exactly zero) as 0-d tensors on the map's
+        device: the guard's per-step test and write need no host sync."""
+        qmap = self.qmap.reshape(-1)
+        code = torch.argmin(qmap.abs())
+        return code.to(torch.uint8), qmap[code] == 0
+
+    def zero_mask(self) -> Tensor:
+        # Codes against the zero code, several times cheaper than dequantizing the whole state every step.
+        codes, scale = self.codes().reshape(-1), self.scale.reshape(-1)
+        code, exact = self._nearest_zero()
+        if codes.numel() == scale.numel() * self.block_size:  # whole blocks: broadcast the scale, no expansion
+            blocks = codes.view(-1, self.block_size)
+            return (((blocks == code) & exact) | (scale == 0).unsqueeze(1)).view(-1)
+        return ((codes == code) & exact) | (scale == 0).repeat_interleave(self.block_size)[: codes.numel()]
+
+    def zero_elements(self, mask: Tensor) -> None:
+        # The nearest-zero entry is an exact zero in every first-moment map (bitsandbytes, torchao, ours).
+        self.stored.masked_fill_(mask.view(self.stored.shape), self._nearest_zero()[0])
+
 
 @dataclass(eq=False, kw_only=True)
 class Packed4bitSlot(BlockQmapSlot):
@@ -329,8 +367,12 @@ class Packed4bitSlot(BlockQmapSlot):
 
     def spacing(self) -> Tensor | None:
         codes = self.codes().long()
-        table = grid_spacing_table(self.qmap.detach().float().cpu()).to(codes.device)
-        return table[codes] * self.scale.repeat_interleave(self.block_size)[: codes.numel()]
+        return _spacing_table(self.qmap)[codes] * self.scale.repeat_interleave(self.block_size)[: codes.numel()]
+
+    def zero_elements(self, mask: Tensor) -> None:
+        codes = unpack_nibbles(self.stored)  # every nibble, the padding of an odd count included
+        codes[: mask.numel()].masked_fill_(mask, self._nearest_zero()[0])
+        self.stored.view(-1).copy_(pack_nibbles(codes))
 
 
 @dataclass(eq=False, kw_only=True)
@@ -358,3 +400,6 @@ class BlockFp8Slot(Slot):
 
     def spacing_at(self, index: Tensor) -> Tensor | None:
         return e4m3_spacing(take(self.stored, index)) * take(self.scale, index // self.block_size)
+
+    def zero_elements(self, mask: Tensor) -> None:
+        self.stored.view(torch.uint8).masked_fill_(mask.view(self.stored.shape), 0)
