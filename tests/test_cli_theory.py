@@ -146,3 +146,27 @@ def test_period_reads_a_saved_torchao_fp8_state(capsys, tmp_path):
     assert rc == 0 and "torchao fp8" in out
     # block-scaled E4M3: the grid estimate lands on the paper's FP8 rho-hat (43.3) within a few percent
     assert _number(out, "rho-hat") == pytest.approx(format_rho_hat("fp8_e4m3", 0.999), rel=0.05)
+
+
+@pytest.mark.parametrize("fmt", ["int8_dynamic", "fp4", "fp8_e4m3", "bf16"])
+def test_saved_state_reads_what_the_live_adapter_reads(tmp_path, fmt):
+    """The saved-state reader and the live adapter use the same slot classes: same v values and spacing."""
+    from lightning_stale.adapters import adapter_for
+    from lightning_stale.adapters.saved_state import load_v_sample
+    from lightning_stale.optim import QuantizedAdamW
+
+    params = [torch.nn.Parameter(torch.randn(64, 130)), torch.nn.Parameter(torch.randn(1001))]  # odd: fp4 padding
+    opt = QuantizedAdamW(params, state_format=fmt, min_quantized_size=256)
+    _train(opt, params, steps=3)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    values, spacing, _, described = load_v_sample(str(tmp_path / "opt.pt"))
+    live = [s for s in adapter_for(opt).slots() if s.moment == "v"]
+    expected_values = torch.cat([s.value().reshape(-1) for s in live])
+    expected_spacing = torch.cat([s.spacing().reshape(-1) for s in live])
+    n = expected_values.numel()  # an odd fp4 tensor adds one padding element to the saved codes
+    assert described == f"QuantizedAdamW {fmt}" and values.numel() - n in ((0, 1) if fmt == "fp4" else (0,))
+    keep = torch.ones(values.numel(), dtype=torch.bool)
+    if values.numel() > n:
+        keep[64 * 130 + 1001] = False  # the padding element follows the odd tensor's last code
+    torch.testing.assert_close(values[keep], expected_values, rtol=0, atol=0)
+    torch.testing.assert_close(spacing[keep], expected_spacing, rtol=0, atol=0)

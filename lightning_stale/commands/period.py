@@ -49,7 +49,7 @@ def report(args: argparse.Namespace) -> list[str]:
 
     beta2 = args.beta2 if args.beta2 is None else theory.check_beta(args.beta2, "beta2")
     if args.state is not None:
-        from lightning_stale.theory.saved_state import load_v_sample
+        from lightning_stale.adapters.saved_state import load_v_sample
 
         values, spacing, saved_beta2, described = load_v_sample(args.state, SAMPLE_LIMIT)
         beta2 = beta2 if beta2 is not None else (saved_beta2 if saved_beta2 is not None else 0.999)
