@@ -10,6 +10,7 @@ for zero-code activation. Add the callback to what ``fabric.save`` stores to res
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -76,14 +77,10 @@ class StaleStateFabricCallback:
         self._pending = list(state.get("monitors", []))
 
     def _attach(self, strategy: Any, optimizer: torch.optim.Optimizer) -> StaleStateMonitor:
-        world = getattr(strategy, "world_size", 1)
-        reduce = None
-        if world > 1:
-            def reduce(tensor: torch.Tensor) -> torch.Tensor:
-                return strategy.all_reduce(tensor.to(strategy.root_device), reduce_op="sum").cpu()
+        reduce = functools.partial(_all_reduce_sum, strategy) if getattr(strategy, "world_size", 1) > 1 else None
         fabric = self.fabric or self._find(strategy)
         module = getattr(strategy, "model", None) if fabric is None else None
-        monitor = StaleStateMonitor(optimizer, options=self.options, reduce=reduce,
+        monitor = StaleStateMonitor(optimizer, options=self.options, reduce=reduce, steps_taken=1,  # attached after it
                                     coverage_steps=max(1, self.log_every_n_steps or 50), names=module)
         if self._pending:
             monitor.load_state_dict(self._pending.pop(0))
@@ -100,3 +97,8 @@ class StaleStateFabricCallback:
         """Detach from every optimizer."""
         for monitor in self.monitors.values():
             monitor.close()
+
+
+def _all_reduce_sum(strategy: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` across Fabric's processes (on the strategy's device, as its collectives need), back on the host."""
+    return strategy.all_reduce(tensor.to(strategy.root_device), reduce_op="sum").cpu()

@@ -178,18 +178,23 @@ class StaleStateMonitor:
             per-parameter keys and messages.
         reduce: sums a float64 tensor across processes (every rank calls :meth:`compute` at the same steps). Default:
             ``torch.distributed.all_reduce`` when a process group is initialized, else nothing.
+        steps_taken: optimizer steps each optimizer already took before the monitor attached (a front-end that
+            attaches after the first step passes 1), so that :attr:`steps` and :attr:`ResetEvent.step` count the
+            optimizer's real steps; a restored :meth:`state_dict` replaces it.
         coverage_steps: in sample mode, every parameter is measured at least once in this many measured steps (set it
             to your logging interval).
     """
 
     def __init__(self, optimizers: object | Sequence[object], reset: str | ResetPolicy | None = None, *,
                  names: nn.Module | Mapping[str, Tensor] | None = None, reduce: Reduce | None = None,
-                 coverage_steps: int = 50, options: MonitorOptions | None = None, **kwargs: Any) -> None:
+                 coverage_steps: int = 50, steps_taken: int = 0, options: MonitorOptions | None = None,
+                 **kwargs: Any) -> None:
         if options is None:
             options = MonitorOptions(reset=reset, **kwargs)
         elif reset is not None or kwargs:
             raise ValueError("pass either `options` or individual options, not both")
         check_int("coverage_steps", coverage_steps)
+        check_int("steps_taken", steps_taken, minimum=0)
         self.options = options
         self.policy = options.policy
         self.reset_events = 0
@@ -202,6 +207,8 @@ class StaleStateMonitor:
         if not sources:
             raise ValueError("StaleStateMonitor needs at least one optimizer (none was given)")
         self._attached = [self._attach(i, source, coverage_steps) for i, source in enumerate(sources)]
+        for a in self._attached:
+            a.steps = steps_taken
 
     # -- public API --------------------------------------------------------------------------------------------------
     @property
