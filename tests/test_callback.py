@@ -2,90 +2,17 @@
 
 from __future__ import annotations
 
-import csv
 import importlib.util
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import Regression, fit, logged
 from lightning_stale import StaleStateCallback
-from lightning_stale.optim import QuantizedAdamW
 from lightning_stale.policies import AdaptiveReset, PeriodicReset, ResetPolicy, TheoryReset
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
-
-
-def make_optimizer(kind: str, params, betas=(0.9, 0.999)):
-    if kind == "torch_bf16":
-        return torch.optim.AdamW(params, lr=1e-3)
-    if kind == "torch_fp32":
-        return torch.optim.AdamW(params, lr=1e-3)
-    if kind == "bnb":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=1e-3)
-    if kind == "torchao":
-        from torchao.optim import AdamW8bit
-
-        return AdamW8bit(params, lr=1e-3)
-    if kind.startswith("qadamw"):
-        _, fmt, *rounding = kind.split(":")
-        return QuantizedAdamW(params, lr=1e-3, betas=betas, state_format=fmt,
-                              rounding=rounding[0] if rounding else "nearest", min_quantized_size=256)
-    raise ValueError(kind)
-
-
-class Regression(L.LightningModule):
-    """Two linear layers (the first big enough for 8-bit state in every library) on a fixed random regression."""
-
-    def __init__(self, kind: str = "torch_fp32", width: int = 64, betas=(0.9, 0.999)) -> None:
-        super().__init__()
-        torch.manual_seed(0)  # identical initial weights in every run of a test
-        self.kind, self.betas = kind, betas
-        self.net = nn.Sequential(nn.Linear(32, width * 4), nn.ReLU(), nn.Linear(width * 4, 4))
-        if kind == "torch_bf16":
-            self.net = self.net.bfloat16()
-
-    def forward(self, x):
-        return self.net(x.to(self.net[0].weight.dtype)).float()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self(x), y)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(256, 32, generator=g)
-        y = torch.randn(256, 4, generator=g)
-        return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
-
-    def configure_optimizers(self):
-        return make_optimizer(self.kind, self.parameters(), self.betas)
-
-
-def fit(tmp_path: Path, model: L.LightningModule, callback: StaleStateCallback, steps: int = 20, **kwargs):
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, max_steps=steps, logger=CSVLogger(tmp_path), log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-        callbacks=[callback], **kwargs,
-    )
-    trainer.fit(model)
-    return trainer
-
-
-def read_metrics(trainer: L.Trainer) -> list[dict[str, str]]:
-    path = Path(trainer.logger.log_dir) / "metrics.csv"
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
-def column(rows: list[dict[str, str]], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if r.get(key)]
 
 
 class ResetRecorder:
@@ -103,14 +30,13 @@ KINDS = ["torch_bf16", "bnb", "qadamw:int8_dynamic", "qadamw:fp8_e4m3"] + (["tor
 @pytest.mark.parametrize("kind", KINDS)
 def test_keys_reach_the_csv_logger_and_callback_metrics(tmp_path, kind):
     trainer = fit(tmp_path, Regression(kind), StaleStateCallback(), steps=12)
-    rows = read_metrics(trainer)
     for key in ("stale/v/frac", "stale/m/frac", "stale/frac", "stale/v/drift", "stale/v/underflow"):
-        values = column(rows, key)
+        values = logged(trainer, key)
         assert values, f"{key} never logged for {kind}"
         assert all(0.0 <= v <= 1.0 for v in values) or key == "stale/v/drift"
     assert "stale/v/frac" in trainer.callback_metrics
     if kind != "torch_fp32":
-        assert column(rows, "stale/v/predicted"), "no theory prediction for a low-precision v"
+        assert logged(trainer, "stale/v/predicted"), "no theory prediction for a low-precision v"
 
 
 class CloneCompare:
@@ -146,17 +72,17 @@ class ProbedRegression(Regression):
 def test_exact_mode_equals_an_independent_clone_and_compare(tmp_path, kind):
     model = ProbedRegression(kind)
     trainer = fit(tmp_path, model, StaleStateCallback(track="exact"), steps=15)
-    logged = column(read_metrics(trainer), "stale/v/frac")
-    assert len(logged) == len(model.probe.fractions) == 14  # the first step has nothing to compare against
-    assert logged == pytest.approx(model.probe.fractions, abs=1e-6)
-    assert max(logged) > 0.0  # the comparison is not trivially all-moving
+    fractions = logged(trainer, "stale/v/frac")
+    assert len(fractions) == len(model.probe.fractions) == 14  # the first step has nothing to compare against
+    assert fractions == pytest.approx(model.probe.fractions, abs=1e-6)
+    assert max(fractions) > 0.0  # the comparison is not trivially all-moving
 
 
 def test_sample_mode_is_within_binomial_tolerance_of_exact(tmp_path):
-    exact = fit(tmp_path / "exact", Regression("bnb", width=256), StaleStateCallback(track="exact"), steps=30)
-    sample = fit(tmp_path / "sample", Regression("bnb", width=256), StaleStateCallback(sample_size=1024), steps=30)
-    e = column(read_metrics(exact), "stale/v/frac")
-    s = column(read_metrics(sample), "stale/v/frac")
+    exact = fit(tmp_path / "exact", Regression("bnb", width=1024), StaleStateCallback(track="exact"), steps=30)
+    sample = fit(tmp_path / "sample", Regression("bnb", width=1024), StaleStateCallback(sample_size=1024), steps=30)
+    e = logged(exact, "stale/v/frac")
+    s = logged(sample, "stale/v/frac")
     assert len(e) == len(s)
     # the last 10 steps: stall fraction well inside (0, 1); each sample has >= ~1000 elements per slot
     for fe, fs in zip(e[-10:], s[-10:]):
@@ -193,26 +119,20 @@ def test_periodic_shortcut_and_reset_state_is_fresh(tmp_path):
 def test_theory_resets_at_the_theory_period(tmp_path):
     from lightning_stale import theory
 
-    class ShortBeta(Regression):
-        def configure_optimizers(self):  # b2 = 0.95 makes fp4's K* (rho-hat 1.7) short enough for a unit test
-            return QuantizedAdamW(self.parameters(), betas=(0.9, 0.95), state_format="fp4", min_quantized_size=1)
-
     k_star = theory.reset_period(theory.format_rho_hat("fp4_e2m2", 0.95), 0.95, 0.6)
     assert 2 <= k_star <= 30
     cb = StaleStateCallback(reset="theory")
     recorder = ResetRecorder(cb)
-    fit(tmp_path, ShortBeta(), cb, steps=3 * k_star + 1)
+    # b2 = 0.95 makes fp4's K* (rho-hat 1.7) short enough for a unit test
+    fit(tmp_path, Regression("qadamw:fp4", betas=(0.9, 0.95), min_quantized_size=1), cb, steps=3 * k_star + 1)
     assert recorder.steps == [k_star, 2 * k_star, 3 * k_star]
     assert set(cb.reset_periods().values()) == {k_star}
 
 
 def test_theory_does_not_reset_states_that_keep_moving(tmp_path):
-    class MovingState(Regression):
-        def configure_optimizers(self):  # bf16 at b2 = 0.99: rho-hat 0.27, most updates move the state
-            return QuantizedAdamW(self.parameters(), betas=(0.9, 0.99), state_format="bf16", min_quantized_size=1)
-
     cb = StaleStateCallback(reset="theory")
-    fit(tmp_path, MovingState(), cb, steps=5)
+    # bf16 at b2 = 0.99: rho-hat 0.27, most updates move the state
+    fit(tmp_path, Regression("qadamw:bf16", betas=(0.9, 0.99), min_quantized_size=1), cb, steps=5)
     assert set(cb.reset_periods().values()) == {None}
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 
-import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import Regression, make_optimizer, trainer_for
 from lightning_stale import StaleStateCallback, StaleStateMonitor
 from lightning_stale.adapters import adapter_for
 from lightning_stale.guard import guard_underflow
@@ -20,18 +19,13 @@ from lightning_stale.optim import QuantizedAdamW
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
-def optimizer(kind: str, params):
+def optimizer(kind: str, params) -> torch.optim.Optimizer:
+    """The shared optimizer of ``kind`` with bitsandbytes 8-bit from 256 elements on and QuantizedAdamW eager."""
     if kind == "bnb":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=1e-3, min_8bit_size=256)
-    if kind == "torch":
-        return torch.optim.AdamW(params, lr=1e-3)
-    if kind == "torchao":
-        from torchao.optim import AdamW8bit
-
-        return AdamW8bit(params, lr=1e-3)
-    return QuantizedAdamW(params, lr=1e-3, state_format=kind.split(":")[1], min_quantized_size=256, compile=False)
+        return make_optimizer(kind, params, min_8bit_size=256)
+    if kind.startswith("qadamw:"):
+        return make_optimizer(kind, params, compile=False)
+    return make_optimizer(kind, params)
 
 
 def steps(model: nn.Module, opt, n: int, device) -> None:
@@ -43,35 +37,14 @@ def steps(model: nn.Module, opt, n: int, device) -> None:
         opt.zero_grad()
 
 
-class Regression(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 16))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(256, 64, generator=g), torch.randn(256, 16, generator=g)),
-                          batch_size=8)
-
-    def configure_optimizers(self):
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(self.parameters(), lr=1e-3, betas=(0.9, 0.985), min_8bit_size=256)  # K* ~ 85
-
-
 def test_trainer_fit_with_bitsandbytes_and_theory_resets(tmp_path, device):
     callback = StaleStateCallback(reset="theory", underflow_guard=True, warmup_steps=2)
     resets: list[int] = []
     callback.add_reset_listener(lambda event: resets.append(event.step))
-    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=30, accelerator=device.type, devices=1, logger=False,
-                        log_every_n_steps=5, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[callback])
-    model = Regression()
+    trainer = trainer_for(tmp_path, [callback], 30, accelerator=device.type, devices=1, logger=False,
+                          log_every_n_steps=5)
+    # 64 -> 256 -> 16, bitsandbytes 8-bit from 256 elements on; b2 = 0.985 gives the 8-bit map a K* of about 85
+    model = Regression("bnb", in_features=64, out_features=16, betas=(0.9, 0.985), min_8bit_size=256)
     trainer.fit(model)
     assert trainer.global_step == 30 and all(torch.isfinite(p).all() for p in model.parameters())
     assert 0.0 <= float(trainer.callback_metrics["stale/v/frac"]) <= 1.0

@@ -3,76 +3,29 @@ callback either works or fails fast with a message that says what to do."""
 
 from __future__ import annotations
 
-import csv
 import io
 import math
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import Regression, fit, logged, make_optimizer, trainer_for
 from lightning_stale import StaleStateCallback
 from lightning_stale.policies import PeriodicReset
 
 LR = 1e-3
 
 
-def make_optimizer(kind: str, params):
-    if kind == "bnb":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=LR)
-    if kind == "torch":
-        return torch.optim.AdamW(params, lr=LR)
-    from lightning_stale.optim import QuantizedAdamW
-
-    return QuantizedAdamW(params, lr=LR, state_format=kind.split(":")[1], min_quantized_size=256)
-
-
-class Net(L.LightningModule):
-    """Linear(32, 128) -> ReLU -> Linear(128, 4) (the first weight has 4096 elements: 8-bit state everywhere)."""
+class Net(Regression):
+    """Linear(32, 128) -> ReLU -> Linear(128, 4) on 64 samples in batches of 4 (the first weight has 4096 elements:
+    8-bit state everywhere); ``kind`` picks the optimizer (:func:`conftest.make_optimizer`)."""
 
     def __init__(self, kind: str = "bnb") -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.kind = kind
-        self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 4))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(64, 32, generator=g), torch.randn(64, 4, generator=g)),
-                          batch_size=4)
-
-    def configure_optimizers(self):
-        return make_optimizer(self.kind, self.parameters())
-
-
-def trainer_for(tmp_path: Path, callbacks: list, steps: int, **kwargs) -> L.Trainer:
-    kwargs.setdefault("enable_checkpointing", False)
-    return L.Trainer(default_root_dir=tmp_path, max_steps=steps, logger=CSVLogger(tmp_path), log_every_n_steps=1,
-                     enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", callbacks=callbacks,
-                     **kwargs)
-
-
-def fit(tmp_path: Path, model: L.LightningModule, callback: StaleStateCallback, steps: int = 6, **kwargs) -> L.Trainer:
-    trainer = trainer_for(tmp_path, [callback], steps, **kwargs)
-    trainer.fit(model)
-    return trainer
-
-
-def logged(trainer: L.Trainer, key: str) -> list[float]:
-    with (Path(trainer.logger.log_dir) / "metrics.csv").open() as f:
-        return [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
+        super().__init__(kind, width=128, data_size=64, batch_size=4)
 
 
 def slots(callback: StaleStateCallback, optimizer_index: int = 0):

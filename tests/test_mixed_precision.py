@@ -8,17 +8,14 @@ optimizer's ``step`` still runs (its hooks fire) with a ``found_inf`` flag and s
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import Regression, fit, logged, read_metrics, trainer_for
 from lightning_stale import StaleStateCallback
 
 INF_BATCHES = (2, 5, 6)  # batch indices whose loss is multiplied by inf
@@ -26,30 +23,19 @@ STEPS = 14
 EVERY = 4
 
 
-class Regression(L.LightningModule):
-    def __init__(self, fused: bool = False, bf16: bool = False, inf_batches: tuple[int, ...] = ()) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fused = fused
+class InfLoss(Regression):
+    """The shared regression (32 -> 64 -> 4, 128 samples) on torch AdamW, plain or fused, with the loss of
+    ``inf_batches`` multiplied by inf so that every gradient of those steps is non-finite."""
+
+    def __init__(self, fused: bool, inf_batches: tuple[int, ...]) -> None:
+        super().__init__("torch_fp32", width=64, data_size=128, fused=fused)
         self.inf_batches = inf_batches
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
-        if bf16:
-            self.net = self.net.bfloat16()
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self.net(x.to(self.net[0].weight.dtype)).float(), y)
+        loss = super().training_step(batch, batch_idx)
         if batch_idx in self.inf_batches:
             loss = loss * torch.tensor(float("inf"))  # every gradient becomes inf or nan
         return loss
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(128, 32, generator=g), torch.randn(128, 4, generator=g)),
-                          batch_size=8, shuffle=False)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused)
 
 
 class ScalerProbe(L.Callback):
@@ -73,15 +59,9 @@ def fit_fp16(tmp_path: Path, fused: bool, inf_batches: tuple[int, ...]):
     probe = ScalerProbe()
     # A small initial scale: fp16 overflow of the real gradients would add skips of its own.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, max_steps=STEPS, logger=CSVLogger(tmp_path, name="csv", version=0),
-        log_every_n_steps=1, callbacks=[callback, probe], plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-    )
-    model = Regression(fused=fused, inf_batches=inf_batches)
-    trainer.fit(model)
-    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as f:
-        rows = {int(r["step"]): r for r in csv.DictReader(f)}
+    trainer = trainer_for(tmp_path, [callback, probe], STEPS, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    trainer.fit(InfLoss(fused=fused, inf_batches=inf_batches))
+    rows = {int(r["step"]): r for r in read_metrics(trainer)}
     return callback, resets, probe.skipped, rows, trainer
 
 
@@ -129,18 +109,11 @@ def test_without_skips_the_schedule_is_unshifted(tmp_path, fused):
 
 def test_bf16_mixed_with_bf16_parameters_logs_stalls(tmp_path):
     callback = StaleStateCallback(track="exact")
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, max_steps=12, precision="bf16-mixed",
-        logger=CSVLogger(tmp_path, name="csv", version=0), log_every_n_steps=1, callbacks=[callback],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-    )
-    model = Regression(bf16=True)
-    trainer.fit(model)
+    model = Regression("torch_bf16", width=64, data_size=128, fused=False)  # bf16 parameters
+    trainer = fit(tmp_path, model, callback, 12, precision="bf16-mixed")
     state = next(iter(trainer.optimizers[0].state.values()))
     assert state["exp_avg_sq"].dtype == torch.bfloat16
-    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    fractions = [float(r["stale/v/frac"]) for r in rows if r.get("stale/v/frac")]
+    fractions = logged(trainer, "stale/v/frac")
     assert len(fractions) == 11  # every step but the first
     assert all(0.0 <= f <= 1.0 for f in fractions) and max(fractions) > 0.0  # bf16 v does stall
     assert "stale/v/predicted" in trainer.callback_metrics

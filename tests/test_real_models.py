@@ -6,7 +6,6 @@ resets (training completes, every parameter resets exactly at multiples of its p
 
 from __future__ import annotations
 
-import csv
 import warnings
 from pathlib import Path
 
@@ -14,10 +13,10 @@ import bitsandbytes as bnb
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import logged, trainer_for
 from lightning_stale import StaleStateCallback
 from lightning_stale.monitor import StaleStateWarning
 
@@ -111,18 +110,11 @@ def fit(tmp_path: Path, setup: str, callback: StaleStateCallback, steps: int) ->
     module_args, trainer_args = SETUPS[setup]
     trainer_args = {"log_every_n_steps": 3, **trainer_args}
     model = LM(**module_args)
-    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=steps, logger=CSVLogger(tmp_path, name="", version=0),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        accelerator="cpu", callbacks=[callback], **trainer_args)
+    trainer = trainer_for(tmp_path, [callback], steps, **trainer_args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", StaleStateWarning)  # "no prediction yet" for zero-gradient LoRA factors
         trainer.fit(model)
     return trainer, model
-
-
-def logged(trainer: L.Trainer, key: str) -> list[float]:
-    with (Path(trainer.logger.log_dir) / "metrics.csv").open() as f:
-        return [float(r[key]) for r in csv.DictReader(f) if r.get(key)]
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))

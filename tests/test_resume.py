@@ -8,51 +8,36 @@ rounding: the stochastic stream lives in the optimizer state and must resume too
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import Regression, read_metrics, trainer_for
 from lightning_stale import StaleStateCallback
-from lightning_stale.optim import QuantizedAdamW
 
 
-def make_optimizer(kind: str, params, beta2: float) -> torch.optim.Optimizer:
-    if kind == "bnb":
-        import bitsandbytes as bnb
+class ByIndex(Regression):
+    """The shared regression as 200 batches of 8, batch i served by ``batch_idx``: Lightning resumes mid-epoch at the
+    right ``batch_idx`` but restarts a plain DataLoader from its first batch, so the loader's own order would not
+    survive the interruption. ``kind`` is ``bnb`` or ``qadamw:<rounding>`` (fp8 states, seed 7)."""
 
-        return bnb.optim.AdamW8bit(params, lr=1e-3, betas=(0.9, beta2))
-    rounding = kind.split(":")[1]
-    return QuantizedAdamW(params, lr=1e-3, betas=(0.9, beta2), state_format="fp8_e4m3", rounding=rounding,
-                          min_quantized_size=256, seed=7)
-
-
-class Regression(L.LightningModule):
     def __init__(self, kind: str, beta2: float) -> None:
-        super().__init__()
-        self.kind = kind
-        self.beta2 = beta2
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 4))
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(200, 8, 32, generator=g), torch.randn(200, 8, 4, generator=g)
+        if kind == "bnb":
+            super().__init__("bnb", betas=(0.9, beta2), data_size=200 * 8)
+        else:
+            super().__init__(f"qadamw:fp8_e4m3:{kind.split(':')[1]}", betas=(0.9, beta2), data_size=200 * 8, seed=7)
+        x, y = self.dataset()
+        self.x, self.y = x.view(200, 8, -1), y.view(200, 8, -1)
 
     def training_step(self, batch, batch_idx):
-        # Batch i is chosen by batch_idx: Lightning resumes mid-epoch at the right batch_idx but restarts a plain
-        # DataLoader from its first batch, so the loader's own order would not survive the interruption.
-        return nn.functional.mse_loss(self.net(self.x[batch_idx]), self.y[batch_idx])
+        return nn.functional.mse_loss(self(self.x[batch_idx]), self.y[batch_idx])
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(torch.arange(200)), batch_size=None)
-
-    def configure_optimizers(self):
-        return make_optimizer(self.kind, self.parameters(), self.beta2)
 
 
 # (policy, optimizer family) -> (callback kwargs, beta2, total steps N). b2 = 0.8 brings adaptive resets within 20
@@ -95,17 +80,14 @@ class Run:
         callbacks = [self.callback]
         if save:  # a checkpoint after every step; the test picks one inside a reset cycle afterwards
             callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1))
-        self.model = Regression(kind, beta2)
-        self.trainer = L.Trainer(
-            default_root_dir=root, max_steps=steps, logger=CSVLogger(root, name="csv", version=0),
-            log_every_n_steps=log_every, callbacks=callbacks, enable_checkpointing=save,
-            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", deterministic=True,
-        )
+        self.model = ByIndex(kind, beta2)
+        self.trainer = trainer_for(root, callbacks, steps, log_every_n_steps=log_every, enable_checkpointing=save,
+                                   deterministic=True)
         self.trainer.fit(self.model, ckpt_path=ckpt_path)
 
     def rows(self) -> dict[int, dict[str, str]]:
-        with (Path(self.trainer.logger.log_dir) / "metrics.csv").open() as f:
-            return {int(r["step"]): {k: v for k, v in r.items() if k.startswith("stale/")} for r in csv.DictReader(f)}
+        rows = read_metrics(self.trainer)
+        return {int(r["step"]): {k: v for k, v in r.items() if k.startswith("stale/")} for r in rows}
 
 
 def assert_same_tensors(a, b, where: str) -> None:

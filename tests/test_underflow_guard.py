@@ -10,16 +10,15 @@ stores an exact zero), so the layout tests below inject the zero codes into its 
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import logged, trainer_for
 from lightning_stale import StaleStateCallback
 from lightning_stale.adapters import adapter_for
 from lightning_stale.adapters.base import Slot
@@ -70,15 +69,9 @@ class StepSize(L.Callback):
 
 def fit(tmp_path: Path, kind: str, guard: bool, steps: int) -> tuple[StepSize, list[float]]:
     recorder = StepSize()
-    trainer = L.Trainer(
-        default_root_dir=tmp_path, max_steps=steps, logger=CSVLogger(tmp_path), log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-        callbacks=[StaleStateCallback(track="exact", underflow_guard=guard), recorder],
-    )
+    trainer = trainer_for(tmp_path, [StaleStateCallback(track="exact", underflow_guard=guard), recorder], steps)
     trainer.fit(DeadUnits(kind))
-    with (Path(trainer.logger.log_dir) / "metrics.csv").open() as f:
-        underflow = [float(r["stale/v/underflow"]) for r in csv.DictReader(f) if r.get("stale/v/underflow")]
-    return recorder, underflow
+    return recorder, logged(trainer, "stale/v/underflow")
 
 
 @pytest.mark.parametrize("kind", ["qadamw", pytest.param("torchao", marks=pytest.mark.slow)])
