@@ -6,7 +6,7 @@ shows the largest ``|p_{t+1} - p_t| / lr`` over every element in the ``--window`
 same statistic over the same steps of the run without a reset (the same monitor options, monitoring only; Adam's
 own steps reach about 1-3 lr). Run:
 
-    .venv/bin/python benchmarks/reset_safety.py --at 40 150 --window 20
+    .venv/bin/python benchmarks/reset_safety.py --at 8 60 --window 20 [--torchao]
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--torchao", action="store_true", help="include torchao (compiles its step: slow on CPU)")
     parser.add_argument("--only", default="", help="only optimizers whose name contains this text")
-    parser.add_argument("--options", default="", help="extra monitor options, e.g. exact_moment_reset=True")
+    parser.add_argument("--options", default="",
+                        help="extra monitor options, e.g. \"underflow_guard=True\" or \"v_reset='exact-unbounded'\"")
     args = parser.parse_args()
     torch.set_num_threads(1)
     options = dict(eval(f"dict({args.options})"))  # noqa: S307 - a command-line convenience for this benchmark

@@ -150,3 +150,26 @@ def test_resume_with_another_policy_uses_the_new_one_and_says_so(caplog):
     k_star = theory.reset_period(theory.format_rho_hat("fp4_e2m2", 0.95), 0.95, 0.6)
     assert set(resumed.reset_periods().values()) == {k_star}  # the new policy's periods, not every=100
     assert resets[0] == k_star  # ages continued from the checkpoint: the first reset at age K*, step K*
+
+
+@pytest.mark.parametrize("kind", ["bnb", "torch", "qadamw:int8_dynamic", "qadamw:fp8_e4m3"])
+@pytest.mark.parametrize("track", ["sample", "exact"])
+def test_monitoring_leaves_training_bit_identical(kind, track):
+    """Without a reset policy the monitor only reads: parameters and optimizer state end bit-identical to a run
+    without it, logging steps included."""
+    from conftest import make_optimizer
+
+    def run(monitored: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8))
+        opt = make_optimizer(kind, model.parameters(), **({"min_8bit_size": 256} if kind == "bnb" else {}))
+        monitor = StaleStateMonitor(opt, track=track) if monitored else None
+        for step in range(30):
+            train(model, opt, 1, start=step)
+            if monitor is not None and step % 10 == 9:
+                monitor.compute()
+        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return [p.detach().clone() for p in model.parameters()] + [t.clone() for t in state]
+
+    plain, monitored = run(False), run(True)
+    assert len(plain) == len(monitored) and all(torch.equal(a, b) for a, b in zip(plain, monitored))
