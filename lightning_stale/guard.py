@@ -45,5 +45,5 @@ def guard_underflow(slots: Iterable[Slot]) -> Tensor:
                 raise ValueError(f"slot {m.key!r} has {m.numel} elements but its second moment has {v_zero.numel()}")
             hazard = v_zero & ~m.zero_mask()
             m.zero_elements(hazard)  # unconditionally: checking for hits first would sync with the device
-            counts.append(hazard.sum())
+            counts.append(torch.count_nonzero(hazard))  # several times faster than a bool sum on CPU
     return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)
