@@ -95,13 +95,13 @@ class Entry:
 
 @dataclass(eq=False)
 class Batch:
-    """Parameters of one cohort whose ``k`` slots have the same layout (device, code dtype, packing, sample shape):
+    """Parameters of one cohort whose ``k`` slots have the same layout (device, packing per slot, sample shape):
     their sampled codes are concatenated slot by slot, ``(k, elements)``, and compared against one concatenated
     gradient sample, ``(elements,)``, that every slot row shares."""
 
     units: list[Unit]
     k: int
-    packed: bool
+    packed: tuple[bool, ...]  # per slot row: two 4-bit codes per byte (rows may differ: QuantizedAdamW's per-moment formats)
     code_views: list[Tensor]  # k * len(units) strided views of the state, slot-major: valid while tensors are kept
     lengths: list[int]  # sampled elements per unit
     last: Tensor  # index of each unit's last element in the concatenation
@@ -121,6 +121,19 @@ class Batch:
     @property
     def entries(self) -> list[Entry]:
         return [u.entries[i] for i in range(self.k) for u in self.units]
+
+    def snapshot(self) -> Tensor:
+        """The sampled codes as stored now, concatenated: the views as they are when every row has the same packing
+        (one kernel), else each view as one code per element (packed and unpacked rows have different widths)."""
+        if len(set(self.packed)) == 1:
+            return torch.cat(self.code_views)
+        n = len(self.units)
+        return torch.cat([_flat_codes(view, self.packed[j // n]) for j, view in enumerate(self.code_views)])
+
+    def codes(self, snapshot: Tensor) -> Tensor:
+        """A :meth:`snapshot` as ``(k, elements)``, one code per element."""
+        uniform = len(set(self.packed)) == 1
+        return (_flat_codes(snapshot, self.packed[0]) if uniform else snapshot).view(self.k, -1)
 
 
 @dataclass(eq=False)
@@ -287,7 +300,7 @@ class StallEngine:
         if any(zeros):
             zero_codes = torch.tensor([[z or 0] for z in zeros], device=device)
         return Batch(
-            units, k, units[0].entries[0].slot.packed,
+            units, k, tuple(e.slot.packed for e in units[0].entries),
             [e.slot.sampled_codes(e.unit.sample) for e in entries], lengths,
             torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64, device=device),
             torch.tensor([self._where[e.key][1] for e in entries], dtype=torch.int64, device=device),
@@ -333,7 +346,7 @@ class StallEngine:
         self._prev = None
         if measure and self.cohorts:
             self._prev_cohort = self.cursor % len(self.cohorts)
-            self._prev = [torch.cat(b.code_views) for b in self._plan(self._prev_cohort)]
+            self._prev = [b.snapshot() for b in self._plan(self._prev_cohort)]
 
     def discard(self) -> None:
         """Drop the snapshot of a step that did not happen (skipped inside a fused optimizer)."""
@@ -361,8 +374,7 @@ class StallEngine:
         if batch.per_slot_counts:
             self._count_large(batch, prev)
             return
-        new = _flat_codes(torch.cat(batch.code_views), batch.packed).view(batch.k, -1)
-        prev = _flat_codes(prev, batch.packed).view(batch.k, -1)
+        new, prev = batch.codes(batch.snapshot()), batch.codes(prev)
         grad = torch.cat([u.grad_view(u.sample, self._placeholders) for u in batch.units]).reshape(-1)
         magnitude = grad.abs()
         counted = (magnitude > 0).logical_and_(magnitude < math.inf)  # NaN compares false: not counted
@@ -379,7 +391,7 @@ class StallEngine:
         """:meth:`_count` for large segments (exact mode on big tensors): each slot is compared in place with its part
         of the snapshot and counted directly, without concatenating the new codes or the gradients."""
         n = len(batch.units)
-        prev_parts = _flat_codes(prev, batch.packed).view(batch.k, -1).split(batch.lengths, dim=1)  # per parameter
+        prev_parts = batch.codes(prev).split(batch.lengths, dim=1)  # per parameter
         masks, n_counted = [], []
         for unit in batch.units:
             magnitude = unit.grad_view(unit.sample, self._placeholders).reshape(-1).abs()
@@ -390,7 +402,7 @@ class StallEngine:
         for i in range(batch.k):
             zero = None if batch.zero_codes is None else batch.zero_codes[i]
             for j, mask in enumerate(masks):
-                new = _flat_codes(batch.code_views[i * n + j], batch.packed)
+                new = _flat_codes(batch.code_views[i * n + j], batch.packed[i])
                 stalled = torch.count_nonzero((new == prev_parts[j][i]).logical_and_(mask))
                 underflow = torch.count_nonzero((new == (0 if zero is None else zero)).logical_and_(mask)) \
                     if batch.underflow_rows[i] else none

@@ -30,8 +30,9 @@ def make(kind: str, params, device) -> torch.optim.Optimizer:
         from torchao.optim import AdamW4bit, AdamW8bit
 
         return (AdamW4bit if kind.endswith("4bit") else AdamW8bit)(params, lr=LR, block_size=128 if "4" in kind else 256)
-    fmt = kind.split(":")[1]
-    return QuantizedAdamW(params, lr=LR, state_format=fmt, min_quantized_size=256, compile=False)
+    fmt = kind.split(":")[1]  # "fp4" for both moments, or "m_format/v_format"
+    state_format = dict(zip(("m", "v"), fmt.split("/"))) if "/" in fmt else fmt
+    return QuantizedAdamW(params, lr=LR, state_format=state_format, min_quantized_size=256, compile=False)
 
 
 def layers(widths, device, dtype=torch.float32) -> nn.Module:
@@ -59,7 +60,8 @@ def state_codes(opt, p) -> dict[str, torch.Tensor]:
     return out
 
 
-KINDS = ["bnb", "torch_bf16", "torchao8bit", "torchao4bit", "qadamw:fp8_e4m3", "qadamw:fp4", "qadamw:int8_dynamic"]
+KINDS = ["bnb", "torch_bf16", "torchao8bit", "torchao4bit", "qadamw:fp8_e4m3", "qadamw:fp4", "qadamw:int8_dynamic",
+         "qadamw:fp4/fp32", "qadamw:bf16/fp4"]  # per-moment formats: packed and plain rows in one batch
 
 
 @pytest.mark.parametrize("widths", [[64, 64, 128], [64, 1280, 128]], ids=["scan", "per-slot"])
