@@ -188,3 +188,13 @@ def test_demo_reports_a_missing_data_path(tmp_path: Path, capsys: pytest.Capture
 
     assert cli.main(["demo", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().out
+
+
+def test_optimizer_spec_takes_one_format_per_moment():
+    param = torch.nn.Parameter(torch.randn(64, 64))
+    opt = OptimizerSpec(kind="quantized", state_format="fp32/fp4").build([param])
+    assert (opt.moment_format(param, "m").name, opt.moment_format(param, "v").name) == ("fp32", "fp4")
+    assert OptimizerSpec(kind="quantized", state_format="fp8_e4m3").build([param]).moment_format(param, "v").name \
+        == "fp8_e4m3"
+    with pytest.raises(ValueError, match="`state_format` must be one of"):
+        OptimizerSpec(kind="quantized", state_format="fp4/fp6")

@@ -44,7 +44,8 @@ class DecoderConfig:
 class OptimizerSpec:
     """Which AdamW to build: torch fp32 (``adamw``), bitsandbytes ``AdamW8bit``, or ``QuantizedAdamW``.
 
-    ``state_format`` and ``rounding`` apply to ``quantized`` only. ``min_quantized_size`` is the smallest tensor whose
+    ``state_format`` and ``rounding`` apply to ``quantized`` only; ``state_format`` is one name for both moments or
+    ``"<m format>/<v format>"`` (e.g. ``"fp32/fp4"``: fp4 second moment only). ``min_quantized_size`` is the smallest tensor whose
     states are stored in low precision (bitsandbytes' ``min_8bit_size``); it is low by default so that a small model
     has nearly all of its states quantized.
     """
@@ -60,7 +61,8 @@ class OptimizerSpec:
 
     def __post_init__(self) -> None:
         check_choice("kind", self.kind, OPTIMIZER_KINDS)
-        check_choice("state_format", self.state_format, STATE_FORMATS)
+        for name in self.state_format.split("/", 1):
+            check_choice("state_format", name, STATE_FORMATS)
         check_rounding(self.rounding)
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
@@ -78,9 +80,10 @@ class OptimizerSpec:
             return bnb.optim.AdamW8bit(params, min_8bit_size=self.min_quantized_size, **common)
         from lightning_stale.optim import QuantizedAdamW
 
+        m_format, _, v_format = self.state_format.partition("/")
         return QuantizedAdamW(
             params,
-            state_format=self.state_format,
+            state_format={"m": m_format, "v": v_format or m_format},
             rounding=self.rounding,
             min_quantized_size=self.min_quantized_size,
             **common,
