@@ -101,7 +101,7 @@ class Batch:
 
     units: list[Unit]
     k: int
-    packed: tuple[bool, ...]  # per slot row: two 4-bit codes per byte (rows may differ: QuantizedAdamW's per-moment formats)
+    packed: tuple[bool, ...]  # per slot row: two 4-bit codes per byte (QuantizedAdamW's moments may differ)
     code_views: list[Tensor]  # k * len(units) strided views of the state, slot-major: valid while tensors are kept
     lengths: list[int]  # sampled elements per unit
     last: Tensor  # index of each unit's last element in the concatenation
@@ -113,6 +113,10 @@ class Batch:
     global_rows: np.ndarray  # (k * units,) rows in the engine's row order (host)
     positions: np.ndarray  # (k * units,) unit positions (host)
     is_v: np.ndarray  # (k * units,) second moments (host)
+    uniform: bool = field(init=False)  # every row packed alike: the raw views concatenate as they are
+
+    def __post_init__(self) -> None:
+        self.uniform = len(set(self.packed)) == 1
 
     @property
     def device(self) -> torch.device:
@@ -125,15 +129,14 @@ class Batch:
     def snapshot(self) -> Tensor:
         """The sampled codes as stored now, concatenated: the views as they are when every row has the same packing
         (one kernel), else each view as one code per element (packed and unpacked rows have different widths)."""
-        if len(set(self.packed)) == 1:
+        if self.uniform:
             return torch.cat(self.code_views)
         n = len(self.units)
         return torch.cat([_flat_codes(view, self.packed[j // n]) for j, view in enumerate(self.code_views)])
 
     def codes(self, snapshot: Tensor) -> Tensor:
         """A :meth:`snapshot` as ``(k, elements)``, one code per element."""
-        uniform = len(set(self.packed)) == 1
-        return (_flat_codes(snapshot, self.packed[0]) if uniform else snapshot).view(self.k, -1)
+        return (_flat_codes(snapshot, self.packed[0]) if self.uniform else snapshot).view(self.k, -1)
 
 
 @dataclass(eq=False)

@@ -80,7 +80,8 @@ class StaleStateFabricCallback:
         reduce = functools.partial(_all_reduce_sum, strategy) if getattr(strategy, "world_size", 1) > 1 else None
         fabric = self.fabric or self._find(strategy)
         module = getattr(strategy, "model", None) if fabric is None else None
-        monitor = StaleStateMonitor(optimizer, options=self.options, reduce=reduce, steps_taken=1,  # attached after it
+        # Fabric has no hook before the first optimizer step: the monitor attaches after it, so it starts at 1.
+        monitor = StaleStateMonitor(optimizer, options=self.options, reduce=reduce, steps_taken=1,
                                     coverage_steps=max(1, self.log_every_n_steps or 50), names=module)
         if self._pending:
             monitor.load_state_dict(self._pending.pop(0))
@@ -100,5 +101,5 @@ class StaleStateFabricCallback:
 
 
 def _all_reduce_sum(strategy: Any, tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` across Fabric's processes (on the strategy's device, as its collectives need), back on the host."""
+    """Sum ``tensor`` across Fabric's processes on the strategy's device (as its collectives need); back on the host."""
     return strategy.all_reduce(tensor.to(strategy.root_device), reduce_op="sum").cpu()

@@ -32,7 +32,7 @@ from lightning_stale.policies import ResetPolicy, check_min_interval, check_s0, 
 from lightning_stale.schedule import ResetSchedule, ResetUnit
 from lightning_stale.vocab import MOMENTS, check_choice, check_flag, check_int, check_moments, invalid
 
-Reduce = Callable[[Tensor], Tensor]
+Reduce = Callable[[Tensor], Tensor]  # sums a host float64 tensor across processes (on the collective's device)
 STATE_VERSION = 2
 TRACK_MODES = ("sample", "exact")
 V_RESETS = ("bounded", "exact-unbounded")
@@ -41,9 +41,9 @@ POST_RESET_GUARD_STEPS = 30  # steps after a reset during which the underflow gu
 
 @dataclass(frozen=True)
 class ResetEvent:
-    """What a reset listener receives: ``step``, the monitor's count of real optimizer steps (skipped steps excluded;
-    restored from its checkpoint on resume, from 1 when it attached to a run without one) after which the reset ran;
-    the ``optimizer``; the ``slots`` (parameter x moment) that were reset."""
+    """What a reset listener receives: ``step``, the monitor's count of real optimizer steps after which the reset
+    ran (skipped steps excluded; counted from ``steps_taken`` when the monitor attached, restored from its checkpoint
+    on resume); the ``optimizer``; the ``slots`` (parameter x moment) that were reset."""
 
     step: int
     optimizer: torch.optim.Optimizer
@@ -206,9 +206,7 @@ class StaleStateMonitor:
         sources = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
         if not sources:
             raise ValueError("StaleStateMonitor needs at least one optimizer (none was given)")
-        self._attached = [self._attach(i, source, coverage_steps) for i, source in enumerate(sources)]
-        for a in self._attached:
-            a.steps = steps_taken
+        self._attached = [self._attach(i, source, coverage_steps, steps_taken) for i, source in enumerate(sources)]
 
     # -- public API --------------------------------------------------------------------------------------------------
     @property
@@ -329,13 +327,13 @@ class StaleStateMonitor:
             a.curves, a.curve_of, a.pending, a.adopted = [], np.zeros(0, dtype=np.int64), set(), -1
 
     # -- attaching ---------------------------------------------------------------------------------------------------
-    def _attach(self, index: int, source: object, coverage_steps: int) -> _Attached:
+    def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int) -> _Attached:
         options = self.options
         adapter = adapters.adapter_for(source, strict=options.strict)
         engine = StallEngine(adapter, f"opt{index}", options.track == "exact", options.sample_size,
                              options.params_per_step, max(1, coverage_steps // options.track_every), options.seed)
         engine.keep_last = self.policy is not None and self.policy.needs_measurement
-        attached = _Attached(source, adapter, engine)
+        attached = _Attached(source, adapter, engine, steps=steps_taken)
         self._handles.append(adapter.optimizer.register_step_pre_hook(lambda *_: self._guarded(self._before, attached)))
         self._handles.append(adapter.optimizer.register_step_post_hook(lambda *_: self._guarded(self._after, attached)))
         self._adopt(attached)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -269,18 +269,36 @@ class FloatSlot(Slot):
         self.tensor.masked_fill_(mask.view(self.tensor.shape), 0)
 
 
-_SPACING_TABLES: dict[int, tuple[weakref.ref, Tensor]] = {}  # id(map) -> (the map, its spacing table)
+_MAP_VALUES: dict[tuple[int, str], tuple[weakref.ref, Any]] = {}  # (id(map), what) -> (the map, the value)
+
+
+def _of_map(qmap: Tensor, what: str, build: Callable[[Tensor], Any]) -> Any:
+    """A value derived from a code map, built once per map tensor (the optimizers share one map among all their
+    parameters) and dropped with it."""
+    key = (id(qmap), what)
+    entry = _MAP_VALUES.get(key)
+    if entry is None or entry[0]() is not qmap:
+        entry = (weakref.ref(qmap), build(qmap))
+        _MAP_VALUES[key] = entry
+        weakref.finalize(qmap, _MAP_VALUES.pop, key, None)
+    return entry[1]
 
 
 def _spacing_table(qmap: Tensor) -> Tensor:
-    """The ulp-convention spacing of every code of a map, on its device; built once per map tensor (the optimizers
-    share one map among all their parameters) and dropped with it."""
-    entry = _SPACING_TABLES.get(id(qmap))
-    if entry is None or entry[0]() is not qmap:
-        entry = (weakref.ref(qmap), grid_spacing_table(qmap.detach().float().cpu()).to(qmap.device))
-        _SPACING_TABLES[id(qmap)] = entry
-        weakref.finalize(qmap, _SPACING_TABLES.pop, id(qmap), None)
-    return entry[1]
+    """The ulp-convention spacing of every code of a map, on its device."""
+    return _of_map(qmap, "spacing", lambda q: grid_spacing_table(q.detach().float().cpu()).to(q.device))
+
+
+def _zero_entry(qmap: Tensor) -> tuple[int, bool]:
+    """(the code of the map entry nearest zero, whether that entry is exactly zero): one host read per map, so the
+    underflow guard's per-step test and write compare against a Python int."""
+
+    def build(q: Tensor) -> tuple[int, bool]:
+        flat = q.detach().reshape(-1)
+        code = int(torch.argmin(flat.abs()))
+        return code, float(flat[code]) == 0.0
+
+    return _of_map(qmap, "zero", build)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -318,28 +336,24 @@ class BlockQmapSlot(Slot):
                                                                                       index // self.block_size)
 
     def zero_code(self) -> int | None:
-        nearest = int(torch.argmin(self.qmap.reshape(-1).abs()))
-        return nearest if float(self.qmap.reshape(-1)[nearest]) == 0.0 else None
-
-    def _nearest_zero(self) -> tuple[Tensor, Tensor]:
-        """(the code of the map entry nearest zero, whether that entry is exactly zero) as 0-d tensors on the map's
-        device: the guard's per-step test and write need no host sync."""
-        qmap = self.qmap.reshape(-1)
-        code = torch.argmin(qmap.abs())
-        return code.to(torch.uint8), qmap[code] == 0
+        code, exact = _zero_entry(self.qmap)
+        return code if exact else None
 
     def zero_mask(self) -> Tensor:
-        # Codes against the zero code, several times cheaper than dequantizing the whole state every step.
-        codes, scale = self.codes().reshape(-1), self.scale.reshape(-1)
-        code, exact = self._nearest_zero()
-        if codes.numel() == scale.numel() * self.block_size:  # whole blocks: broadcast the scale, no expansion
+        # Codes against the zero code, several times cheaper than dequantizing the whole state every step; an element
+        # of a block whose scale is 0 is zero whatever its code.
+        codes, empty_blocks = self.codes().reshape(-1), self.scale.reshape(-1) == 0
+        code, exact = _zero_entry(self.qmap)
+        if codes.numel() == empty_blocks.numel() * self.block_size:  # whole blocks: broadcast, no expansion
+            empty = empty_blocks.unsqueeze(1)
             blocks = codes.view(-1, self.block_size)
-            return (((blocks == code) & exact) | (scale == 0).unsqueeze(1)).view(-1)
-        return ((codes == code) & exact) | (scale == 0).repeat_interleave(self.block_size)[: codes.numel()]
+            return ((blocks == code).logical_or_(empty) if exact else empty.expand_as(blocks)).reshape(-1)
+        empty = empty_blocks.repeat_interleave(self.block_size)[: codes.numel()]
+        return (codes == code).logical_or_(empty) if exact else empty
 
     def zero_elements(self, mask: Tensor) -> None:
         # The nearest-zero entry is an exact zero in every first-moment map (bitsandbytes, torchao, ours).
-        self.stored.masked_fill_(mask.view(self.stored.shape), self._nearest_zero()[0])
+        self.stored.masked_fill_(mask.view(self.stored.shape), _zero_entry(self.qmap)[0])
 
 
 @dataclass(eq=False, kw_only=True)
@@ -371,7 +385,7 @@ class Packed4bitSlot(BlockQmapSlot):
 
     def zero_elements(self, mask: Tensor) -> None:
         codes = unpack_nibbles(self.stored)  # every nibble, the padding of an odd count included
-        codes[: mask.numel()].masked_fill_(mask, self._nearest_zero()[0])
+        codes[: mask.numel()].masked_fill_(mask, _zero_entry(self.qmap)[0])
         self.stored.view(-1).copy_(pack_nibbles(codes))
 
 

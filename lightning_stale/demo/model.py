@@ -45,9 +45,9 @@ class OptimizerSpec:
     """Which AdamW to build: torch fp32 (``adamw``), bitsandbytes ``AdamW8bit``, or ``QuantizedAdamW``.
 
     ``state_format`` and ``rounding`` apply to ``quantized`` only; ``state_format`` is one name for both moments or
-    ``"<m format>/<v format>"`` (e.g. ``"fp32/fp4"``: fp4 second moment only). ``min_quantized_size`` is the smallest tensor whose
-    states are stored in low precision (bitsandbytes' ``min_8bit_size``); it is low by default so that a small model
-    has nearly all of its states quantized.
+    ``"<m format>/<v format>"`` (e.g. ``"fp32/fp4"``: fp4 second moment only). ``min_quantized_size`` is the smallest
+    tensor whose states are stored in low precision (bitsandbytes' ``min_8bit_size``); it is low by default so that a
+    small model has nearly all of its states quantized.
     """
 
     kind: str = "adamw"

@@ -187,7 +187,8 @@ def pack_nibbles(codes: Tensor) -> Tensor:
 
 def unpack_nibbles(packed: Tensor, numel: int | None = None) -> Tensor:
     """Inverse of :func:`pack_nibbles`: the first ``numel`` codes (all ``2 * packed.numel()`` by default), flat."""
-    codes = torch.stack((packed.reshape(-1) >> 4, packed.reshape(-1) & 15), dim=1).view(-1)
+    flat = packed.reshape(-1)
+    codes = torch.stack((flat >> 4, flat & 15), dim=1).view(-1)
     return codes if numel is None else codes[:numel]
 
 

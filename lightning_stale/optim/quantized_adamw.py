@@ -172,6 +172,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
                 state[codes_key] = fresh.codes.to(param.device)
                 if fresh.scale is not None:
                     state[scale_key] = fresh.scale.to(param.device)
+                # On the host, like torch.optim's non-capturable ``step``: the bias corrections read it without a sync.
                 state[age_key] = torch.zeros((), dtype=torch.float32)
         return state
 
