@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+from functools import lru_cache
 from typing import Any
 
 log = logging.getLogger("lightning_stale")
@@ -140,3 +142,10 @@ def inductor_cxx() -> str | None:
         return inductor_config.cpp.cxx[1]
     except (ImportError, AttributeError, IndexError, TypeError):
         return None
+
+
+@lru_cache(maxsize=1)
+def compiler_available() -> bool:
+    """Whether a C++ compiler for Inductor's CPU backend is on PATH (torch.compile on CPU needs one)."""
+    candidates = [inductor_cxx(), "g++", "c++", "clang++"]
+    return any(name and shutil.which(name) for name in candidates)

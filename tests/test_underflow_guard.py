@@ -110,7 +110,7 @@ def _check_guard(slots: list[Slot], inject: dict[int, torch.Tensor]) -> None:
         expected_total += int(hazard.sum())
     assert expected_total > 0
     before = {pid: (d["m"].codes().clone(), d["v"].codes().clone()) for pid, d in by_param.items()}
-    assert int(guard_underflow(slots)) == expected_total
+    assert int(guard_underflow(slots, count=True)) == expected_total
     for pid, d in by_param.items():
         m_before, v_before = before[pid]
         assert torch.equal(d["v"].codes(), v_before), "the guard must not touch v"
@@ -118,7 +118,7 @@ def _check_guard(slots: list[Slot], inject: dict[int, torch.Tensor]) -> None:
         hazard = expected_masks.get(pid, torch.zeros_like(changed))
         assert torch.equal(changed, hazard), "m changed outside the hazard elements"
         assert bool((d["m"].value()[hazard] == 0).all())
-    assert int(guard_underflow(slots)) == 0  # idempotent
+    assert int(guard_underflow(slots, count=True)) == 0  # idempotent
 
 
 def _stepped(opt: torch.optim.Optimizer, params: list[nn.Parameter], steps: int = 2) -> None:
@@ -171,7 +171,7 @@ def test_guard_on_torchao_4bit_and_fp8_buffers():
             hazard[3 * 128:4 * 128] = True
             hazard &= ~slots[0].zero_mask()
             m_before = slots[0].codes().clone()
-            assert int(guard_underflow(slots)) == int(hazard.sum()) > 0
+            assert int(guard_underflow(slots, count=True)) == int(hazard.sum()) > 0
             assert torch.equal(slots[0].codes() != m_before, hazard)
             assert bool((slots[0].value()[hazard] == 0).all())
         else:
@@ -200,3 +200,49 @@ def test_guard_rejects_a_slot_it_cannot_write_with_a_clear_message():
 def test_underflow_guard_argument_must_be_a_bool(value):
     with pytest.raises(ValueError, match="`underflow_guard` must be True or False"):
         StaleStateCallback(underflow_guard=value)
+
+
+def _twin_guarded(kind: str, count: bool) -> list[torch.Tensor]:
+    """m codes after injecting v zeros into a stepped optimizer of ``kind`` and guarding with or without counting."""
+    from conftest import make_optimizer
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if kind == "torch_bf16" else torch.float32
+    params = [nn.Parameter(torch.randn(256, 256).to(dtype)), nn.Parameter(torch.randn(4096).to(dtype))]
+    opt = make_optimizer(kind, params, lr=LR)
+    _stepped(opt, params)
+    slots = adapter_for(opt).slots()
+    for s in slots:
+        if s.moment == "v":
+            mask = torch.zeros(s.numel, dtype=torch.bool)
+            mask[::13] = True
+            s.zero_elements(mask)
+    guard_underflow(slots, count=count)
+    return [s.codes().clone() for s in slots if s.moment == "m"]
+
+
+@pytest.mark.parametrize("kind", ["bnb", "torch_fp32", "torch_bf16", "qadamw:int8_dynamic", "torchao"])
+def test_the_one_pass_guard_writes_what_the_counting_guard_writes(kind):
+    """Without ``count`` the guard takes one pass per (v, m) pair (fused for the 65,536-element tensor where a
+    compiler exists, eager for the small one); it must zero exactly the m elements the exact, counting path zeroes."""
+    import lightning_stale.guard as guard
+
+    if kind == "torchao":
+        pytest.importorskip("torchao.optim")
+    counted, fast = _twin_guarded(kind, count=True), _twin_guarded(kind, count=False)
+    assert all(torch.equal(a, b) for a, b in zip(counted, fast))
+    assert not guard._fused_failed
+
+
+def test_the_guard_falls_back_to_eager_ops_when_compiling_fails(monkeypatch):
+    import lightning_stale.guard as guard
+
+    def broken(*args):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(guard, "_fused", lambda: broken)
+    monkeypatch.setattr(guard, "_fused_failed", False)
+    monkeypatch.setattr(guard._compat, "compiler_available", lambda: True)
+    fast = _twin_guarded("bnb", count=False)
+    assert guard._fused_failed
+    assert all(torch.equal(a, b) for a, b in zip(_twin_guarded("bnb", count=True), fast))

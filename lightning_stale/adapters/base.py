@@ -101,6 +101,13 @@ class Slot:
             "a zero_elements(mask) method, or construct StaleStateCallback(underflow_guard=False)"
         )
 
+    def zero_view(self) -> tuple[Tensor, int | float] | None:
+        """The underflow guard's one-pass view of the stored elements: ``(codes, zero)``, one code per element, in
+        place, where ``codes == zero`` marks the elements stored as exactly zero (in a non-empty block) and writing
+        ``zero`` stores an exact zero. None where the layout has no such view: the guard then uses
+        :meth:`zero_mask` and :meth:`zero_elements`."""
+        return None
+
     def codes_at(self, index: Tensor) -> Tensor:
         """Codes at flat indices ``index``."""
         return take(self.codes(), index)
@@ -268,6 +275,9 @@ class FloatSlot(Slot):
     def zero_elements(self, mask: Tensor) -> None:
         self.tensor.masked_fill_(mask.view(self.tensor.shape), 0)
 
+    def zero_view(self) -> tuple[Tensor, int | float] | None:
+        return (self.tensor.view(-1), 0) if self.tensor.is_contiguous() else None
+
 
 _MAP_VALUES: dict[tuple[int, str], tuple[weakref.ref, Any]] = {}  # (id(map), what) -> (the map, the value)
 
@@ -355,6 +365,10 @@ class BlockQmapSlot(Slot):
         # The nearest-zero entry is an exact zero in every first-moment map (bitsandbytes, torchao, ours).
         self.stored.masked_fill_(mask.view(self.stored.shape), _zero_entry(self.qmap)[0])
 
+    def zero_view(self) -> tuple[Tensor, int | float] | None:
+        code, exact = _zero_entry(self.qmap)
+        return (self.stored.view(-1), code) if exact and self.stored.is_contiguous() else None
+
 
 @dataclass(eq=False, kw_only=True)
 class Packed4bitSlot(BlockQmapSlot):
@@ -382,6 +396,9 @@ class Packed4bitSlot(BlockQmapSlot):
     def spacing(self) -> Tensor | None:
         codes = self.codes().long()
         return _spacing_table(self.qmap)[codes] * self.scale.repeat_interleave(self.block_size)[: codes.numel()]
+
+    def zero_view(self) -> tuple[Tensor, int | float] | None:
+        return None  # two codes per byte: no per-element view
 
     def zero_elements(self, mask: Tensor) -> None:
         codes = unpack_nibbles(self.stored)  # every nibble, the padding of an odd count included

@@ -13,7 +13,6 @@ large ones; both give the same stored codes, scales, stall counts and stochastic
 from __future__ import annotations
 
 import math
-import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from itertools import chain
@@ -265,7 +264,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
         if self.compile is None:
             table_on_cpu = (param.device.type == "cpu" and rounding == "nearest"
                             and any(f.name in TABLE_ROUNDED for f in formats))
-            return param.numel() >= COMPILE_MIN_NUMEL and not table_on_cpu and compiler_available()
+            return param.numel() >= COMPILE_MIN_NUMEL and not table_on_cpu and _compat.compiler_available()
         return self.compile
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -365,13 +364,6 @@ def _compiled_update() -> Callable[..., tuple[QuantizedState, QuantizedState, tu
     """:func:`_update` compiled once with dynamic shapes (Inductor fuses it into a few loops per parameter); dynamo
     specializes it per format pair, rounding and ``count_stalls``."""
     return torch.compile(_update, dynamic=True)
-
-
-@lru_cache(maxsize=1)
-def compiler_available() -> bool:
-    """Whether a C++ compiler for Inductor's CPU backend is on PATH."""
-    candidates = [_compat.inductor_cxx(), "g++", "c++", "clang++"]
-    return any(name and shutil.which(name) for name in candidates)
 
 
 def _stored(state: dict[str, Any], param: Tensor, moment: Moment) -> QuantizedState:
