@@ -47,13 +47,16 @@ class StaleStateCallback(Callback):
         underflow_guard: bool = False,
         warmup_steps: int = 0,
         v_reset: Literal["bounded", "exact-unbounded"] = "bounded",
+        remedy: Literal["auto"] | None = None,
+        drift_band: float = 1.5,
     ) -> None:
         super().__init__()
         self.options = MonitorOptions(
             reset=reset, every=every, s0=s0, min_interval=min_interval, moments=moments, track=track,
             sample_size=sample_size, params_per_step=params_per_step, track_every=track_every,
             log_per_param=log_per_param, log_key_prefix=log_key_prefix, strict=strict, seed=seed,
-            underflow_guard=underflow_guard, warmup_steps=warmup_steps, v_reset=v_reset,
+            underflow_guard=underflow_guard, warmup_steps=warmup_steps, v_reset=v_reset, remedy=remedy,
+            drift_band=drift_band,
         )
         self.policy = self.options.policy
         self.from_environment = False  # created by the LIGHTNING_STALE entry point (an explicit callback wins)

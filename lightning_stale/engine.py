@@ -26,7 +26,7 @@ How the cost stays independent of the number of tensors:
 
 Host synchronisation happens only when batch plans are built (the first measurement of each cohort after the
 optimizer state changes: zero codes of 8-bit maps are looked up once) and in the readouts (:meth:`StallEngine.window`,
-:meth:`StallEngine.last_fractions`, :meth:`StallEngine.drift`); never in the step hooks otherwise.
+:meth:`StallEngine.take_recent`, :meth:`StallEngine.drift`); never in the step hooks otherwise.
 """
 
 from __future__ import annotations
@@ -183,9 +183,9 @@ class StallEngine:
         self.entries: dict[str, Entry] = {}
         self.version = 0  # bumped whenever the set of slots is rebuilt
         self.cursor = 0  # measured steps so far: picks the cohort
-        self.keep_last = False  # keep each slot's last (stalled, counted) for measurement-driven policies
+        self.keep_recent = False  # also sum (stalled, counted, underflow) per slot for decisions (take_recent)
         self.totals: dict[torch.device, Tensor] = {}  # per device: (its rows, 3) weighted stalled/counted/underflow
-        self.last: dict[torch.device, Tensor] = {}  # per device: (its rows, 2) int32, when keep_last
+        self.recent: dict[torch.device, Tensor] = {}  # per device: (its rows, 3) int32, when keep_recent
         self.host = np.zeros((0, 3))  # per row: measured steps, sum and count of the theory's predictions
         self.cohorts: list[list[Unit]] = []
         self._batches: dict[int, list[Batch]] = {}
@@ -261,8 +261,8 @@ class StallEngine:
                     totals[device][local] = saved["totals"].to(totals[device])
                     host[entry.row] = saved["host"]
         self.totals, self.host = totals, host
-        self.last = {d: torch.zeros(len(g), 2, dtype=torch.int32, device=d) for d, g in rows.items()} \
-            if self.keep_last else {}
+        self.recent = {d: torch.zeros(len(g), 3, dtype=torch.int32, device=d) for d, g in rows.items()} \
+            if self.keep_recent else {}
         self._where = {e.key: (d, local) for d, g in rows.items() for local, e in enumerate(g)}
         self._device_rows = {d: [e.row for e in g] for d, g in rows.items()}
 
@@ -315,8 +315,10 @@ class StallEngine:
 
     def _build_shadows(self, old: dict[str, Tensor], old_entries: dict[str, Entry], fresh_state: bool) -> None:
         candidates = [u for u in self.units if u.sample.count > 0 and any(e.slot.beta is not None for e in u.entries)]
-        if not self.exact:
-            candidates = sorted(candidates, key=lambda u: zlib.crc32(u.key.encode()))[:DRIFT_PARAMS]
+        if not self.exact:  # a hashed choice, one parameter of every driver format first (drift is read per format)
+            candidates.sort(key=lambda u: zlib.crc32(u.key.encode()))
+            firsts = list({driver_group(u): u for u in reversed(candidates)}.values())
+            candidates = (firsts + [u for u in candidates if u not in firsts])[:max(DRIFT_PARAMS, len(firsts))]
             candidates.sort(key=lambda u: u.index)
         groups: dict[tuple, list[Unit]] = {}
         for unit in candidates:
@@ -387,8 +389,8 @@ class StallEngine:
         sums = self._segments(torch.stack([stalled, counted.expand_as(stalled), zero], dim=-2), batch)
         sums = sums.permute(0, 2, 1).reshape(-1, 3)  # (k * units, stalled/counted/underflow), slot-major like rows
         self.totals[batch.device].index_add_(0, batch.rows, sums.double().mul_(batch.weights))
-        if self.keep_last:
-            self.last[batch.device].index_copy_(0, batch.rows, sums[:, :2].contiguous())
+        if self.keep_recent:
+            self.recent[batch.device].index_add_(0, batch.rows, sums)
 
     def _count_large(self, batch: Batch, prev: Tensor) -> None:
         """:meth:`_count` for large segments (exact mode on big tensors): each slot is compared in place with its part
@@ -412,8 +414,8 @@ class StallEngine:
                 counts.append(torch.stack([stalled, n_counted[j], underflow]))
         sums = torch.stack(counts).int()  # slot-major, like batch.rows
         self.totals[batch.device].index_add_(0, batch.rows, sums.double().mul_(batch.weights))
-        if self.keep_last:
-            self.last[batch.device].index_copy_(0, batch.rows, sums[:, :2].contiguous())
+        if self.keep_recent:
+            self.recent[batch.device].index_add_(0, batch.rows, sums)
 
     @staticmethod
     def _segments(mask: Tensor, batch: Batch) -> Tensor:
@@ -448,14 +450,13 @@ class StallEngine:
         np.add.at(self.host[:, _PRED_N], rows, 1)
 
     # -- readouts ----------------------------------------------------------------------------------------------------
-    def last_fractions(self, entries: list[Entry]) -> list[float]:
-        """Stall fraction of each slot's last measurement (one host synchronisation; needs ``keep_last``)."""
-        out = []
-        host = {device: last.cpu() for device, last in self.last.items()}
-        for entry in entries:
-            device, row = self._where[entry.key]
-            stalled, counted = host[device][row].tolist()
-            out.append(stalled / counted if counted > 0 else math.nan)
+    def take_recent(self) -> np.ndarray:
+        """Sampled (stalled, counted, underflow) counts of every slot since the previous call, (rows, 3) in row order
+        on the host, unweighted; the call starts over (one host synchronisation; needs ``keep_recent``)."""
+        out = np.zeros((len(self.entries), 3), dtype=np.int64)
+        for device, recent in self.recent.items():
+            out[self._device_rows[device]] = recent.cpu().numpy()
+            recent.zero_()
         return out
 
     def window(self) -> dict[str, Tensor]:
@@ -493,7 +494,7 @@ class StallEngine:
 
     def resident_bytes(self) -> int:
         """Bytes the engine keeps between steps: totals, shadows, batch plans (device) and prediction sums (host)."""
-        tensors = [*self.totals.values(), *self.last.values(), *(t for s in self._shadows for t in (s.values, s.weight))]
+        tensors = [*self.totals.values(), *self.recent.values(), *(t for s in self._shadows for t in (s.values, s.weight))]
         for batches in self._batches.values():
             for batch in batches:
                 tensors += [batch.last, batch.rows, batch.weights]
@@ -521,6 +522,14 @@ class StallEngine:
                           "shadows": dict(state["shadows"]) if shadows else {}}
         self._n_state = -1
         self.entries, self.units, self.totals, self._where = {}, [], {}, {}
+
+
+def driver_group(unit: Unit) -> tuple[str, str, float | None]:
+    """(moment, format, beta) of the slot that drives a parameter's decisions (v when present): parameters of one
+    group share a drift reading, measured on the panel parameters of that group."""
+    slots = {e.moment: e.slot for e in unit.entries}
+    slot = slots.get("v") or slots["m"]
+    return slot.moment, slot.format, slot.beta
 
 
 def _flat_codes(codes: Tensor, packed: bool) -> Tensor:

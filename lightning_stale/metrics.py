@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_stale import theory
 from lightning_stale.adapters.base import MOMENTS
 from lightning_stale.engine import COUNTED, MEASURED, STALLED, UNDERFLOW
+from lightning_stale.remedies import GUARD, REMEDIES, RESET
 
 # Per moment, the reduced vector holds: the engine's stall columns (normalized per measured step), the number of
 # slots measured, and weighted sums of drift and prediction (value * weight, weight).
@@ -37,6 +38,7 @@ def key(prefix: str, *parts: str) -> str:
 FRAC, DRIFT, PREDICTED, UNDERFLOW_KEY, BETA_EFF, HORIZON_EFF = "frac", "drift", "predicted", "underflow", "beta_eff", \
     "horizon_eff"
 RESETS, SINCE_RESET = "resets", "since_reset"
+REMEDY = "remedy"  # remedy="auto": <prefix>/remedy/guard (parameters guarded now), <prefix>/remedy/reset (resets so far)
 
 
 def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[str, float, int]],
@@ -92,3 +94,8 @@ def row(vector: Tensor, prefix: str, resets: int, since_reset: float | None, v_b
         if since_reset is not None:
             metrics[key(prefix, SINCE_RESET)] = since_reset
     return metrics
+
+
+def remedy_row(prefix: str, guarded: int, resets: int) -> dict[str, float]:
+    """What the automatic remedy did: parameters it keeps under the underflow guard now, parameter resets so far."""
+    return {key(prefix, REMEDY, REMEDIES[GUARD]): float(guarded), key(prefix, REMEDY, REMEDIES[RESET]): float(resets)}

@@ -13,6 +13,7 @@ an unexpected error inside a hook is reported once and that step is skipped, so 
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,11 +25,12 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 import lightning_stale.adapters as adapters
-from lightning_stale import _compat, guard, metrics, predict
+from lightning_stale import _compat, guard, metrics, predict, remedies
 from lightning_stale._compat import rank_zero_info
 from lightning_stale.adapters.base import OptimizerAdapter, Slot
-from lightning_stale.engine import Batch, StallEngine, Unit
-from lightning_stale.policies import ResetPolicy, check_min_interval, check_s0, make_policy
+from lightning_stale.engine import Batch, StallEngine, Unit, driver_group
+from lightning_stale.policies import ResetPolicy, check_band, check_min_interval, check_s0, make_policy
+from lightning_stale.remedies import REMEDY_NAMES, AutoRemedy
 from lightning_stale.schedule import ResetSchedule, ResetUnit
 from lightning_stale.vocab import MOMENTS, check_choice, check_flag, check_int, check_moments, invalid
 
@@ -86,6 +88,8 @@ class MonitorOptions:
     underflow_guard: bool = False
     warmup_steps: int = 0
     v_reset: str = "bounded"
+    remedy: str | None = None
+    drift_band: float = 1.5
     policy: ResetPolicy | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -102,7 +106,13 @@ class MonitorOptions:
         check_choice("v_reset", self.v_reset, V_RESETS)
         check_s0(self.s0)  # validated even where the chosen policy does not use them: a typo should not wait
         check_min_interval(self.min_interval)
-        self.policy = make_policy(self.reset, self.every, self.s0, self.min_interval, check_moments(self.moments))
+        check_band(self.drift_band)
+        check_choice("remedy", self.remedy, (None, *REMEDY_NAMES))
+        if self.remedy is not None and self.reset is not None:
+            raise ValueError(f"remedy={self.remedy!r} chooses the resets itself (by drift); drop `reset` "
+                             f"(got reset={self.reset!r}) or set remedy=None")
+        self.policy = make_policy(self.reset, self.every, self.s0, self.min_interval, check_moments(self.moments),
+                                  self.drift_band)
 
 
 @dataclass(eq=False)
@@ -120,6 +130,7 @@ class _Attached:
     pending: set[int] = field(default_factory=set)  # unit positions waiting for a grid estimate
     warming: dict[int, Tensor] = field(default_factory=dict)  # parameters before a warm-up step
     adopted: int = -1  # the engine version whose units the schedule holds
+    guard_plan: tuple[tuple, guard.GuardPlan] | None = None  # (engine version and guarded positions, the plan)
     announced: bool = False
 
     @property
@@ -145,8 +156,14 @@ class StaleStateMonitor:
         optimizers: a torch optimizer, a wrapper of one (``LightningOptimizer``, accelerate's ``AcceleratedOptimizer``)
             or a sequence of them.
         reset: ``None`` (monitor only), ``"periodic"`` (needs ``every``), ``"theory"`` (period K* from the paper's
-            model for each slot's format and beta), ``"adaptive"`` (paper Alg. 2 on the measured stall fraction) or
-            any :class:`~lightning_stale.policies.ResetPolicy`.
+            model for each slot's format and beta), ``"adaptive"`` (paper Alg. 2 on the measured stall fraction),
+            ``"drift"`` (when stored v leaves ``drift_band`` around its fp32 EMA) or any
+            :class:`~lightning_stale.policies.ResetPolicy`.
+        remedy: ``"auto"`` applies, per parameter, the remedy its measured cause calls for (the underflow guard where
+            v underflows, a drift reset where v drifts out of band, nothing otherwise; see
+            :mod:`lightning_stale.remedies`) and logs ``<prefix>/remedy/guard`` and ``<prefix>/remedy/reset``. It
+            chooses resets itself, so it cannot be combined with ``reset``.
+        drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"``.
         every: reset period in optimizer steps for ``reset="periodic"``.
         s0: staleness tolerance of the theory and adaptive rules (the paper uses 0.6).
         min_interval: fewest steps between two adaptive resets of a parameter.
@@ -182,7 +199,8 @@ class StaleStateMonitor:
             attaches after the first step passes 1), so that :attr:`steps` and :attr:`ResetEvent.step` count the
             optimizer's real steps; a restored :meth:`state_dict` replaces it.
         coverage_steps: in sample mode, every parameter is measured at least once in this many measured steps (set it
-            to your logging interval).
+            to your logging interval). Also the interval of check steps, on which ``reset="drift"`` and
+            ``remedy="auto"`` read their signals (one host synchronisation each).
     """
 
     def __init__(self, optimizers: object | Sequence[object], reset: str | ResetPolicy | None = None, *,
@@ -197,7 +215,11 @@ class StaleStateMonitor:
         check_int("steps_taken", steps_taken, minimum=0)
         self.options = options
         self.policy = options.policy
+        self.remedy = AutoRemedy(options.drift_band, options.min_interval, options.moments) \
+            if options.remedy == "auto" else None
         self.reset_events = 0
+        self.remedy_resets = 0  # parameter resets the automatic remedy made
+        self._check_every = coverage_steps
         self._reduce = reduce if reduce is not None else _default_reduce()
         self._listeners: list[ResetListener] = []
         self._handles: list[RemovableHandle] = []
@@ -274,6 +296,9 @@ class StaleStateMonitor:
                  if e.moment == "v" and e.slot.beta is not None]
         row = metrics.row(vector, self.options.log_key_prefix, self.reset_events,
                           float(ages.mean()) if ages.size else None, sum(betas) / len(betas) if betas else None)
+        if self.remedy is not None and row:  # decisions are agreed across ranks: rank-local counts are global
+            guarded = sum(int((a.schedule.arrays["remedy"] == remedies.GUARD).sum()) for a in self._attached)
+            row.update(metrics.remedy_row(self.options.log_key_prefix, guarded, self.remedy_resets))
         return row, per_param
 
     def close(self) -> None:
@@ -295,6 +320,7 @@ class StaleStateMonitor:
             "world_size": _world_size(),
             "policy": repr(self.policy),
             "reset_events": self.reset_events,
+            "remedy_resets": self.remedy_resets,
             "optimizers": [{"steps": a.steps, "engine": a.engine.state_dict(), "schedule": a.schedule.state_dict()}
                            for a in self._attached],
         }
@@ -314,6 +340,7 @@ class StaleStateMonitor:
                 "Resume with the same optimizers, or drop the saved monitor state."
             )
         self.reset_events = int(state.get("reset_events", 0))
+        self.remedy_resets = int(state.get("remedy_resets", 0))
         if state.get("policy", repr(self.policy)) != repr(self.policy):
             self._info(f"[lightning_stale] resuming with policy {self.policy!r}; the checkpoint was saved with "
                        f"{state['policy']}: reset periods are chosen by the new policy, ages and counts continue.")
@@ -332,7 +359,7 @@ class StaleStateMonitor:
         adapter = adapters.adapter_for(source, strict=options.strict)
         engine = StallEngine(adapter, f"opt{index}", options.track == "exact", options.sample_size,
                              options.params_per_step, max(1, coverage_steps // options.track_every), options.seed)
-        engine.keep_last = self.policy is not None and self.policy.needs_measurement
+        engine.keep_recent = self.remedy is not None or (self.policy is not None and self.policy.needs_measurement)
         attached = _Attached(source, adapter, engine, steps=steps_taken)
         self._handles.append(adapter.optimizer.register_step_pre_hook(lambda *_: self._guarded(self._before, attached)))
         self._handles.append(adapter.optimizer.register_step_post_hook(lambda *_: self._guarded(self._after, attached)))
@@ -374,19 +401,29 @@ class StaleStateMonitor:
         measured = a.engine.after_step()
         self._adopt(a, after_step=True)
         if self.options.underflow_guard:
-            guard.guard_underflow(e.slot for e in a.engine.entries.values())
+            self._guard(a, a.schedule.units)
         elif a.schedule.guarding:
-            guard.guard_underflow(s for unit in a.schedule.guarded() for s in unit.slots)
+            self._guard(a, a.schedule.guarded())
         if measured:
             self._predict(a, measured)
         if a.pending and a.engine.measured_cohort:
             self._estimate_pending(a)
         a.schedule.advance()
+        if (self.remedy is not None or (self.policy is not None and self.policy.needs_drift)) \
+                and a.steps % self._check_every == 0:
+            self._check(a)
         if self.policy is None:
             return
         if self.policy.needs_measurement and measured:
             self._observe(a, measured)
         self._maybe_reset(a)
+
+    def _guard(self, a: _Attached, units: list[ResetUnit]) -> None:
+        """Run the underflow guard on ``units``, through a plan kept while the guarded set and the slots stay."""
+        key = (a.engine.version, tuple(u.position for u in units))
+        if a.guard_plan is None or a.guard_plan[0] != key:
+            a.guard_plan = (key, guard.GuardPlan(s for unit in units for s in unit.slots))
+        a.guard_plan[1].run()
 
     def _warm_up(self, a: _Attached) -> None:
         """Scale this step's update of recently reset parameters: p = p_old + (i / warmup_steps) * (p - p_old)."""
@@ -495,24 +532,76 @@ class StaleStateMonitor:
     # -- resets ------------------------------------------------------------------------------------------------------
     def _observe(self, a: _Attached, measured: list[Batch]) -> None:
         """Feed the adaptive policy the stall fraction of each measured driver slot (one host sync per step)."""
-        entries = [e for b in measured for e in b.entries]
-        drivers = {}
-        for entry in entries:
+        recent = a.engine.take_recent()
+        for entry in (e for b in measured for e in b.entries):
             unit = a.schedule.units[entry.unit.position]
             if unit.driver() is entry.slot:
-                drivers[entry.unit.position] = entry
-        for (position, entry), fraction in zip(drivers.items(), a.engine.last_fractions(list(drivers.values()))):
-            self.policy.observe(a.schedule.units[position], fraction)
+                stalled, counted, _ = recent[entry.row]
+                self.policy.observe(unit, stalled / counted if counted > 0 else math.nan)
+
+    def _check(self, a: _Attached) -> None:
+        """A check step: read the drift of every driver group (and, for the automatic remedy, each parameter's v
+        underflow since the last check), agreed across ranks, into the schedule; then let the remedy act.
+
+        One host synchronisation (and one collective with several processes) per check."""
+        units, engine = a.schedule.units, a.engine
+        groups = {g: i for i, g in enumerate(dict.fromkeys(driver_group(u) for u in engine.units))}
+        group_of = np.array([groups[driver_group(u)] for u in engine.units], dtype=np.int64)
+        drift = np.zeros((len(groups), 2))  # per group: sum of drift * weight, weight
+        for key, value in engine.drift().items():
+            entry = engine.entries[key]
+            if entry.moment == "v" and units[entry.unit.position].driver() is entry.slot:
+                drift[group_of[entry.unit.position]] += (value * engine.drift_weight(key), engine.drift_weight(key))
+        underflow = np.zeros((len(units), 2))  # per unit: v elements stored as zero, counted
+        if self.remedy is not None:
+            recent = engine.take_recent()
+            for entry in engine.entries.values():
+                if entry.moment == "v":
+                    underflow[entry.unit.position] += recent[entry.row, 2], recent[entry.row, 1]
+        vector = torch.from_numpy(np.concatenate([drift.reshape(-1), underflow.reshape(-1)]))
+        if self._reduce is not None:
+            vector = self._reduce(vector).to(torch.float64).cpu()
+        values = vector.numpy()
+        drift, underflow = values[:drift.size].reshape(-1, 2), values[drift.size:].reshape(-1, 2)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            group_drift = np.where(drift[:, 1] > 0, drift[:, 0] / drift[:, 1], np.nan)
+            read = underflow[:, 1] > 0
+            a.schedule.arrays["underflow"][read] = underflow[read, 0] / underflow[read, 1]
+        a.schedule.arrays["drift"][:] = group_drift[group_of]
+        if self.remedy is not None:
+            self._remedy(a)
+
+    def _remedy(self, a: _Attached) -> None:
+        """Apply the automatic remedy's choice: open (or extend) guard windows, reset drifted parameters."""
+        schedule = a.schedule
+        chosen = self.remedy.choose(schedule)
+        still_guarded = (schedule.arrays["remedy"] == remedies.GUARD) & (schedule.arrays["guard_left"] > 0)
+        chosen[(chosen == remedies.NONE) & still_guarded] = remedies.GUARD  # a guard window outlasts its reading
+        guard_rows = np.flatnonzero(chosen == remedies.GUARD)
+        for i in guard_rows[schedule.arrays["remedy"][guard_rows] != remedies.GUARD]:
+            unit = schedule.units[i]
+            self._info(f"[lightning_stale] remedy: underflow guard on for {self._unit_name(a, unit)!r} (v stored as "
+                       f"zero for {100 * unit.underflow:.2g}% of its sampled elements with a non-zero gradient)")
+        window = remedies.GUARD_CHECKS * self._check_every
+        schedule.arrays["guard_left"][guard_rows] = np.maximum(schedule.arrays["guard_left"][guard_rows], window)
+        schedule.arrays["remedy"][:] = chosen
+        reset_rows = np.flatnonzero(chosen == remedies.RESET)
+        if reset_rows.size:
+            drifted = [schedule.units[i] for i in reset_rows]
+            self._info(f"[lightning_stale] remedy: reset {len(drifted)} parameter(s) whose stored v drifted out of "
+                       f"[1/{self.remedy.drift.band:g}, {self.remedy.drift.band:g}] x its fp32 EMA (e.g. "
+                       f"{self._unit_name(a, drifted[0])!r}: {drifted[0].drift:.2f}) at step {a.steps}")
+            self.remedy_resets += len(drifted)
+            self._reset(a, drifted, self.remedy.moments)
 
     def _maybe_reset(self, a: _Attached) -> None:
         due = self.policy.due(a.schedule, a.steps)
         if self.policy.needs_sync and self._reduce is not None:
             due = self._reduce(torch.from_numpy(due.astype(np.float64))).cpu().numpy() > 0
         if due.any():
-            self._reset(a, [a.schedule.units[i] for i in np.flatnonzero(due)])
+            self._reset(a, [a.schedule.units[i] for i in np.flatnonzero(due)], self.policy.moments)
 
-    def _reset(self, a: _Attached, units: list[ResetUnit]) -> None:
-        moments = self.policy.moments
+    def _reset(self, a: _Attached, units: list[ResetUnit], moments: Sequence[str]) -> None:
         reset = a.adapter.reset_exact if self.options.v_reset == "exact-unbounded" else a.adapter.reset
         reset(moments=moments, params=[u.param for u in units])
         slots = []

@@ -17,7 +17,7 @@ import numpy as np
 from lightning_stale import predict
 from lightning_stale.schedule import NO_PERIOD, ResetSchedule, ResetUnit
 from lightning_stale.theory import statistical_error
-from lightning_stale.vocab import MOMENTS, check_int, check_moments, check_open_unit
+from lightning_stale.vocab import MOMENTS, check_int, check_moments, check_open_unit, invalid
 
 
 def check_s0(s0: float) -> float:
@@ -28,12 +28,21 @@ def check_min_interval(min_interval: int) -> int:
     return check_int("min_interval", min_interval, unit="optimizer steps")
 
 
+def check_band(band: float) -> float:
+    if isinstance(band, bool) or not isinstance(band, (int, float)) or not band > 1.0 or not math.isfinite(band):
+        raise invalid("drift_band", "a finite float > 1 (the allowed ratio of stored v to its fp32 EMA)", band)
+    return float(band)
+
+
 class ResetPolicy:
     """Base class. ``moments`` names the moments a reset restores; ``needs_sync`` says whether decisions depend on
-    per-rank measurements (then the callback reduces them across ranks so every rank resets at the same step)."""
+    per-rank measurements (then the callback reduces them across ranks so every rank resets at the same step);
+    ``needs_measurement`` asks for each measured step's stall fractions (:meth:`observe`), ``needs_drift`` for the
+    drift readings of check steps (``unit.drift``, already agreed across ranks)."""
 
     needs_sync: bool = True
     needs_measurement: bool = False
+    needs_drift: bool = False
 
     def __init__(self, moments: Sequence[str] = MOMENTS) -> None:
         self.moments = check_moments(moments)
@@ -145,11 +154,49 @@ class AdaptiveReset(ResetPolicy):
         return ready & (schedule.arrays["accumulator"] / np.maximum(measured, 1) >= error)
 
 
-POLICY_NAMES = ("periodic", "theory", "adaptive")
+class DriftReset(ResetPolicy):
+    """Reset a parameter when its stored second moment has drifted out of ``[1 / band, band]`` times an fp32 EMA of
+    the same gradients, and it is at least ``min_interval`` steps old.
+
+    Drift is read on check steps (every ``coverage_steps``, one host synchronisation each) on the engine's drift
+    panel, which shadows at least one parameter of every (moment, format, beta) group; every parameter of a group
+    takes its group's reading (averaged across ranks). It catches the slow bias of nearest rounding ("v can only go
+    up": bf16 v 1.57x too large after 6,000 steps at CPU scale), which stall counts alone do not size. Parameters
+    driven by a first moment (no v) have no drift band and are never reset.
+    """
+
+    needs_sync = False
+    needs_drift = True
+
+    def __init__(self, band: float = 1.5, min_interval: int = 50, moments: Sequence[str] = MOMENTS) -> None:
+        check_min_interval(min_interval)
+        super().__init__(moments)
+        self.band = check_band(band)
+        self.min_interval = min_interval
+
+    def configure(self, unit: ResetUnit) -> None:
+        unit.period_source = "drift"
+
+    def out_of_band(self, drift: np.ndarray, ages: np.ndarray) -> np.ndarray:
+        """Which parameters' drift readings (nan: none yet) lie outside the band, at ages of ``min_interval`` or more."""
+        with np.errstate(invalid="ignore"):
+            outside = (drift > self.band) | (drift < 1.0 / self.band)
+        return outside & (ages >= self.min_interval)
+
+    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+        return bool(self.out_of_band(np.array([unit.drift]), np.array([unit.age]))[0])
+
+    def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
+        return self.out_of_band(schedule.arrays["drift"], schedule.ages)
+
+
+
+POLICY_NAMES = ("periodic", "theory", "adaptive", "drift")
 
 
 def make_policy(
-    reset: str | ResetPolicy | None, every: int | None, s0: float, min_interval: int, moments: Sequence[str]
+    reset: str | ResetPolicy | None, every: int | None, s0: float, min_interval: int, moments: Sequence[str],
+    drift_band: float = 1.5,
 ) -> ResetPolicy | None:
     """Turn the callback's ``reset`` shortcut into a policy object (``None`` = monitor only)."""
     if reset is None or isinstance(reset, ResetPolicy):
@@ -166,4 +213,6 @@ def make_policy(
         return TheoryReset(s0, moments)
     if reset == "adaptive":
         return AdaptiveReset(s0, min_interval, moments)
+    if reset == "drift":
+        return DriftReset(drift_band, min_interval, moments)
     raise ValueError(f"`reset` must be None, one of {POLICY_NAMES} or a ResetPolicy instance, got {reset!r}")

@@ -25,13 +25,19 @@ FIELDS: dict[str, tuple[type, float]] = {
     "resets": (np.int64, 0),
     "last_reset_step": (np.int64, -1),
     "warmup_left": (np.int64, 0),  # post-reset warm-up steps still to apply
-    "guard_left": (np.int64, 0),  # post-reset steps still under the underflow guard
+    "guard_left": (np.int64, 0),  # steps still under the underflow guard (after a reset, or the automatic remedy's)
     "measured": (np.int64, 0),  # measured steps in the current cycle (adaptive policy)
     "accumulator": (np.float64, 0.0),  # sum of excess staleness in the current cycle (adaptive policy)
     "rho": (np.float64, math.nan),  # rho-hat of the driver slot; nan while unknown or not applicable
+    # The signals read on check steps (drift of the driver's format group, v underflow fraction; nan: not read yet)
+    # and what the automatic remedy last chose (an index into remedies.REMEDIES).
+    "drift": (np.float64, math.nan),
+    "underflow": (np.float64, math.nan),
+    "remedy": (np.int64, 0),
 }
-# Kept across a resume (measured history); the period is re-derived by the policy configured at resume.
-HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "accumulator", "rho")
+# Kept across a resume (measured history); the period is re-derived by the policy configured at resume, the signals
+# are read again.
+HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "accumulator", "rho", "remedy")
 
 
 class ResetUnit:
@@ -92,9 +98,10 @@ def _field(name: str, kind: type) -> property:
     return property(get, set)
 
 
-for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured"):
+for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "remedy"):
     setattr(ResetUnit, _name, _field(_name, int))
-ResetUnit.accumulator = _field("accumulator", float)
+for _name in ("accumulator", "drift", "underflow"):
+    setattr(ResetUnit, _name, _field(_name, float))
 
 
 class ResetSchedule:
@@ -147,8 +154,9 @@ class ResetSchedule:
         """Restart the cycle of ``units`` after their reset at optimizer step ``step``."""
         rows = np.array([u.position for u in units], dtype=np.int64)
         for name, value in (("age", 0), ("measured", 0), ("accumulator", 0.0), ("warmup_left", warmup_steps),
-                            ("guard_left", guard_steps), ("last_reset_step", step)):
+                            ("last_reset_step", step), ("drift", math.nan)):
             self.arrays[name][rows] = value
+        self.arrays["guard_left"][rows] = np.maximum(self.arrays["guard_left"][rows], guard_steps)
         self.arrays["resets"][rows] += 1
 
     @property
@@ -162,11 +170,11 @@ class ResetSchedule:
 
     @property
     def guarding(self) -> bool:
-        """Some parameter is inside its post-reset guard window."""
+        """Some parameter is inside a guard window."""
         return bool(self.arrays["guard_left"].any())
 
     def guarded(self) -> list[ResetUnit]:
-        """Parameters inside their post-reset guard window (one step of it is used up per call)."""
+        """Parameters inside a guard window (one step of it is used up per call)."""
         rows = np.flatnonzero(self.arrays["guard_left"] > 0)
         self.arrays["guard_left"][rows] -= 1
         return [self.units[i] for i in rows]

@@ -185,13 +185,13 @@ def test_engine_tensors_live_on_the_state_device(device):
     model = layers([64, 256, 16], device)
     opt = bnb.optim.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=256) if device.type == "cuda" else \
         QuantizedAdamW(model.parameters(), min_quantized_size=256)
-    monitor = StaleStateMonitor(opt, reset="theory", underflow_guard=True, warmup_steps=2)
+    monitor = StaleStateMonitor(opt, remedy="auto", underflow_guard=True, coverage_steps=1)  # a check every step
     for _ in range(3):
         for p in model.parameters():
             p.grad = torch.randn(p.shape, device=device) * 1e-2
         opt.step()
     engine = monitor._attached[0].engine
-    created = [*engine.totals.values(), *engine.last.values(), *(s.values for s in engine._shadows)]
+    created = [*engine.totals.values(), *engine.recent.values(), *(s.values for s in engine._shadows)]
     created += [t for batches in engine._batches.values() for b in batches for t in (b.last, b.rows, b.weights)]
     assert created and all(t.device == device for t in created)
     metrics = monitor.compute()
