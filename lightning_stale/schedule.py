@@ -35,9 +35,10 @@ FIELDS: dict[str, tuple[type, float]] = {
     "underflow": (np.float64, math.nan),
     "remedy": (np.int64, 0),
 }
-# Kept across a resume (measured history); the period is re-derived by the policy configured at resume, the signals
-# are read again.
-HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "accumulator", "rho", "remedy")
+# Kept across a resume (measured history, the same on every rank); the period is re-derived by the policy configured
+# at resume.
+HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "accumulator", "rho", "drift",
+           "underflow", "remedy")
 
 
 class ResetUnit:
