@@ -145,7 +145,23 @@ def test_command_help_lists_configs() -> None:
     parser = argparse.ArgumentParser()
     demo_command.add_arguments(parser)
     defaults, settings = parser.parse_args([]), DemoSettings()
-    assert (defaults.steps, defaults.seed, defaults.threads) == (settings.steps, settings.seed, settings.threads)
+    assert (defaults.steps, defaults.seed, defaults.threads, defaults.lr) == \
+        (settings.steps, settings.seed, settings.threads, settings.lr)
+    assert CONFIGS["fp8+auto"].remedy == "auto" and CONFIGS["bnb8bit+guard"].underflow_guard
+    assert CONFIGS["fp4+drift"].reset == "drift" and CONFIGS["int8-sr+periodic"].every == 300
+
+
+def test_parallel_demo_runs_give_the_serial_results(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("for i in range(10):\n    print(i * 2)\n" * 400)
+    settings = DemoSettings(steps=10, model=TINY, batch_size=4, val_batches=2, log_every=2, evaluations=2,
+                            data=str(text), progress_bar=False)
+    configs = resolve_configs("fp32,fp8+auto")
+    serial = run_demo(settings, configs, tmp_path / "serial")
+    parallel = run_demo(settings, configs, tmp_path / "parallel", workers=2)
+    assert [r.name for r in parallel] == ["fp32", "fp8+auto"]
+    assert [r.val_loss for r in parallel] == [r.val_loss for r in serial]
+    assert "auto: guarded/reset" in (tmp_path / "parallel" / "results.txt").read_text()
 
 
 def test_demo_smoke_run(tmp_path: Path) -> None:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "Train a small LM with fp32, 8-bit, fp8 and fp4 optimizer states (with and without resets) and compare."
+HELP = ("Train a small LM with fp32 and low-precision optimizer states, with and without remedies (resets, the "
+        "automatic remedy), two configurations at a time, and compare loss and stall, drift and underflow signals.")
 
 # Kept in sync with lightning_stale.demo.runner (checked by the tests) so that --help needs no torch import.
-DEFAULT_CONFIGS = "fp32,bnb8bit,fp8,fp8+reset,fp4,fp4+reset,fp8-sr+reset,fp4-sr+reset"
-AVAILABLE_CONFIGS = (
-    "fp32, fp32+reset, bnb8bit, bnb8bit+reset, "
-    + ", ".join(f"{s}, {s}+reset, {s}-sr, {s}-sr+reset" for s in ("bf16", "fp8", "fp4", "int8"))
+DEFAULT_CONFIGS = "fp32,fp8,fp8+reset,fp8+auto"
+_REMEDY_SUFFIXES = ("", "+reset", "+adaptive", "+periodic", "+drift", "+guard", "+auto")
+AVAILABLE_CONFIGS = ", ".join(
+    ["fp32", "fp32+reset", *(f"bnb8bit{x}" for x in _REMEDY_SUFFIXES)]
+    + [f"{s}{r}{x}" for s in ("bf16", "fp8", "fp4", "int8") for r in ("", "-sr") for x in _REMEDY_SUFFIXES]
 )
 
 
@@ -21,11 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_CONFIGS,
         help=f"comma-separated configurations (default: {DEFAULT_CONFIGS}). Available: {AVAILABLE_CONFIGS}. "
         "fp32 is torch AdamW, bnb8bit bitsandbytes AdamW8bit, the others QuantizedAdamW with that state format; "
-        "-sr: stochastic rounding; +reset: StaleStateCallback(reset='theory') (fp32+reset: periodic, every 300)",
+        "-sr: stochastic rounding; +reset: StaleStateCallback(reset='theory') (fp32+reset: periodic, every 300); "
+        "+adaptive/+drift: reset='adaptive'/'drift'; +periodic: every 300; +guard: underflow_guard=True; "
+        "+auto: remedy='auto'",
     )
     parser.add_argument("--out", default="stale-demo",
                         help="output folder for logs, table and figure (default: ./stale-demo)")
     parser.add_argument("--seed", type=int, default=0, help="seed for model initialization and data order (default: 0)")
+    parser.add_argument("--lr", type=float, default=4e-3,
+                        help="peak learning rate (default: 4e-3, twice fp32's best here, where fp8 states lose loss)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="configurations trained at once, one process each (default: 2, both cores of a 2-core "
+                             "machine)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -46,13 +55,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         configs = resolve_configs(args.configs)
-        settings = DemoSettings(steps=args.steps, seed=args.seed, data=args.data, threads=args.threads)
+        settings = DemoSettings(steps=args.steps, seed=args.seed, lr=args.lr, data=args.data, threads=args.threads)
         corpus = prepare_corpus(settings)
     except (FileNotFoundError, ValueError) as error:
         print(f"lightning-stale demo: error: {error}")
         return 2
     out = Path(args.out)
-    results = run_demo(settings, configs, out, corpus)
+    results = run_demo(settings, configs, out, corpus, workers=args.workers)
     print()
     print(format_table(results))
     print()

@@ -12,10 +12,11 @@ import importlib.util
 import json
 import logging
 import math
+import shutil
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -23,14 +24,18 @@ import torch
 from lightning_stale import metrics
 from lightning_stale.demo.data import DEFAULT_MAX_BYTES, ByteCorpus, load_corpus
 from lightning_stale.demo.model import DecoderConfig, LanguageModel, OptimizerSpec
+from lightning_stale.remedies import GUARD, REMEDIES, RESET
 from lightning_stale.vocab import check_int
 
 STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabulates and plots
     "v_frac": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.FRAC),
     "v_predicted": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.PREDICTED),
     "v_drift": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.DRIFT),
+    "v_underflow": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.UNDERFLOW_KEY),
     "m_frac": metrics.key(metrics.DEFAULT_PREFIX, "m", metrics.FRAC),
     "resets": metrics.key(metrics.DEFAULT_PREFIX, metrics.RESETS),
+    "remedy_guard": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[GUARD]),
+    "remedy_reset": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[RESET]),
 }
 FP32_CONTROL_PERIOD = 300  # the paper's fp8 reset period
 MIN_GAP_FOR_SHARE = 0.005  # below this gap (about the seed noise at CPU scale) a "share recovered" means nothing
@@ -38,10 +43,10 @@ MIN_GAP_FOR_SHARE = 0.005  # below this gap (about the seed noise at CPU scale) 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One demo configuration: how the optimizer stores its states and whether the callback resets them.
+    """One demo configuration: how the optimizer stores its states and what remedy the callback applies.
 
-    ``reset`` and ``every`` are passed to :class:`~lightning_stale.StaleStateCallback`; ``baseline`` names the
-    configuration without resets (nearest rounding) that a reset variant is compared with.
+    ``reset``, ``every``, ``underflow_guard`` and ``remedy`` are passed to :class:`~lightning_stale.StaleStateCallback`;
+    ``baseline`` names the configuration without a remedy (nearest rounding) that a variant is compared with.
     """
 
     name: str
@@ -52,6 +57,8 @@ class RunConfig:
     every: int | None = None
     baseline: str | None = None
     description: str = ""
+    underflow_guard: bool = False
+    remedy: str | None = None
 
     def optimizer_spec(self, settings: DemoSettings) -> OptimizerSpec:
         return OptimizerSpec(
@@ -66,26 +73,40 @@ class RunConfig:
         )
 
 
+STORAGES = {  # name: (optimizer kind, state format, words)
+    "fp32": ("adamw", "fp32", "torch AdamW, fp32 states"),
+    "bnb8bit": ("bnb_adamw8bit", "fp32", "bitsandbytes AdamW8bit (block-wise 8-bit states)"),
+    "bf16": ("quantized", "bf16", "QuantizedAdamW, bf16 states"),
+    "fp8": ("quantized", "fp8_e4m3", "QuantizedAdamW, fp8 E4M3 states (per-tensor scale)"),
+    "fp4": ("quantized", "fp4", "QuantizedAdamW, fp4 states (block 128)"),
+    "int8": ("quantized", "int8_dynamic", "QuantizedAdamW, int8 dynamic-map states"),
+}
+REMEDY_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words)
+    "": ({}, ""),
+    "+reset": ({"reset": "theory"}, ", theory-period resets"),
+    "+adaptive": ({"reset": "adaptive"}, ", adaptive resets"),
+    "+periodic": ({"reset": "periodic", "every": FP32_CONTROL_PERIOD}, f", resets every {FP32_CONTROL_PERIOD} steps"),
+    "+drift": ({"reset": "drift"}, ", drift-band resets"),
+    "+guard": ({"underflow_guard": True}, ", underflow guard"),
+    "+auto": ({"remedy": "auto"}, ", automatic remedy"),
+}
+
+
 def _build_configs() -> dict[str, RunConfig]:
-    """Name every (storage, rounding, reset) combination: ``<storage>[-sr][+reset]``."""
-    storages = {  # name: (optimizer kind, state format, words)
-        "fp32": ("adamw", "fp32", "torch AdamW, fp32 states"),
-        "bnb8bit": ("bnb_adamw8bit", "fp32", "bitsandbytes AdamW8bit (block-wise 8-bit states)"),
-        "bf16": ("quantized", "bf16", "QuantizedAdamW, bf16 states"),
-        "fp8": ("quantized", "fp8_e4m3", "QuantizedAdamW, fp8 E4M3 states (per-tensor scale)"),
-        "fp4": ("quantized", "fp4", "QuantizedAdamW, fp4 states (block 128)"),
-        "int8": ("quantized", "int8_dynamic", "QuantizedAdamW, int8 dynamic-map states"),
-    }
+    """Name every (storage, rounding, remedy) combination: ``<storage>[-sr][<remedy suffix>]``."""
     configs = {}
-    for storage, (kind, state_format, words) in storages.items():
+    for storage, (kind, state_format, words) in STORAGES.items():
+        if storage == "fp32":
+            configs[storage] = RunConfig(storage, kind, description=words)
+            continue
         roundings = ["nearest"] if kind != "quantized" else ["nearest", "stochastic"]
         for rounding in roundings:
-            for reset in (None, "theory"):
-                name = storage + ("-sr" if rounding == "stochastic" else "") + ("+reset" if reset else "")
-                text = words + (", stochastic rounding" if rounding == "stochastic" else "")
-                text += ", theory-period resets" if reset else ""
+            for suffix, (arguments, remedy_words) in REMEDY_SUFFIXES.items():
+                name = storage + ("-sr" if rounding == "stochastic" else "") + suffix
+                text = words + (", stochastic rounding" if rounding == "stochastic" else "") + remedy_words
                 baseline = None if name == storage else storage
-                configs[name] = RunConfig(name, kind, state_format, rounding, reset, None, baseline, text)
+                configs[name] = RunConfig(name, kind, state_format, rounding, baseline=baseline, description=text,
+                                          **arguments)
     # fp32 states never stall, so the theory gives them no period: the control resets at the fp8 period instead,
     # as the paper's fp32 control used the bf16 period.
     configs["fp32+reset"] = RunConfig(
@@ -96,7 +117,7 @@ def _build_configs() -> dict[str, RunConfig]:
 
 
 CONFIGS: dict[str, RunConfig] = _build_configs()
-DEFAULT_CONFIGS = ("fp32", "bnb8bit", "fp8", "fp8+reset", "fp4", "fp4+reset", "fp8-sr+reset", "fp4-sr+reset")
+DEFAULT_CONFIGS = ("fp32", "fp8", "fp8+reset", "fp8+auto")
 
 
 def resolve_configs(names: str | Sequence[str]) -> list[RunConfig]:
@@ -119,7 +140,7 @@ class DemoSettings:
     seed: int = 0
     batch_size: int = 16
     model: DecoderConfig = field(default_factory=DecoderConfig)
-    lr: float = 2e-3
+    lr: float = 4e-3  # twice fp32's best for the default model: where per-tensor fp8 states lose loss (BENCHMARKS.md)
     beta2: float = 0.999
     eps: float = 1e-6
     weight_decay: float = 0.0
@@ -152,7 +173,10 @@ class RunResult:
     v_frac: float = math.nan
     v_predicted: float = math.nan
     v_drift: float = math.nan
+    v_underflow: float = math.nan
     resets: float = math.nan
+    remedy_guard: float = math.nan
+    remedy_reset: float = math.nan
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
@@ -216,10 +240,12 @@ def _progress_bar(title: str):  # noqa: ANN202 (a Lightning callback)
     return TitledBar()
 
 
-def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, log_root: Path) -> RunResult:
+def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, log_root: Path,
+                 extra_callbacks: Sequence[object] = ()) -> RunResult:
     """Train one configuration from the settings' seed, with the stale-state callback attached, and collect results.
 
     The callback only monitors when ``config.reset`` is None, so stall metrics exist for every configuration.
+    ``extra_callbacks`` (Lightning callbacks) join it, e.g. a benchmark's experimental intervention.
     """
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -229,10 +255,12 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     pl.seed_everything(settings.seed, verbose=False)
     model = LanguageModel(settings.model, config.optimizer_spec(settings), total_steps=settings.steps)
     version = f"seed{settings.seed}"
+    shutil.rmtree(Path(log_root) / config.name / version, ignore_errors=True)  # a rerun replaces its old logs
     loggers = [CSVLogger(log_root, name=config.name, version=version)]
     if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
         loggers.append(TensorBoardLogger(log_root, name=config.name, version=version))
-    callbacks = [StaleStateCallback(reset=config.reset, every=config.every)]
+    callbacks = [StaleStateCallback(reset=config.reset, every=config.every, underflow_guard=config.underflow_guard,
+                                    remedy=config.remedy), *extra_callbacks]
     if settings.progress_bar:
         callbacks.append(_progress_bar(config.name))
     train_loader = corpus.train_loader(settings.steps, settings.batch_size, settings.seed)
@@ -270,11 +298,11 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
         log_dir=loggers[0].log_dir,
         curves=curves,
     )
-    for attr in ("v_frac", "v_predicted"):
+    for attr in ("v_frac", "v_predicted", "v_underflow"):
         points = curves.get(STALL_KEYS[attr], [])
         if points:
             setattr(result, attr, sum(v for _, v in points) / len(points))
-    for attr in ("v_drift", "resets"):
+    for attr in ("v_drift", "resets", "remedy_guard", "remedy_reset"):
         points = curves.get(STALL_KEYS[attr], [])
         if points:
             setattr(result, attr, points[-1][1])
@@ -298,7 +326,7 @@ def format_table(results: Sequence[RunResult], reference: str = "fp32") -> str:
     losses = {r.name: r.val_loss for r in results}
     ref = losses.get(reference, math.nan)
     header = ["config", "val loss", f"gap to {reference}", "recovered", "state B/param", "v stall", "v stall pred",
-              "v drift", "resets", "time s"]
+              "v drift", "v underflow", "resets", "auto: guarded/reset", "time s"]
     rows = [header]
     for r in results:
         baseline = CONFIGS[r.name].baseline if r.name in CONFIGS else None
@@ -308,47 +336,53 @@ def format_table(results: Sequence[RunResult], reference: str = "fp32") -> str:
         rows.append([
             r.name, _fmt(r.val_loss, ".4f"), _fmt(r.val_loss - ref, "+.4f"), _fmt(100 * share, ".0f") + ("%" if
             not math.isnan(share) else ""), _fmt(r.state_bytes_per_param, ".2f"), _fmt(r.v_frac, ".3f"),
-            _fmt(r.v_predicted, ".3f"), _fmt(r.v_drift, ".2f"), _fmt(r.resets, ".0f"), _fmt(r.seconds, ".0f"),
+            _fmt(r.v_predicted, ".3f"), _fmt(r.v_drift, ".2f"), _fmt(r.v_underflow, ".4f"), _fmt(r.resets, ".0f"),
+            "-" if math.isnan(r.remedy_guard) else f"{r.remedy_guard:.0f}/{r.remedy_reset:.0f}",
+            _fmt(r.seconds, ".0f"),
         ])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     notes = [
-        f"recovered: (baseline loss - loss) / (baseline gap to {reference}) for a reset variant, where the baseline "
-        f"is the same storage without resets and its gap exceeds {MIN_GAP_FOR_SHARE}.",
+        f"recovered: (baseline loss - loss) / (baseline gap to {reference}) for a remedy variant, where the baseline "
+        f"is the same storage without a remedy and its gap exceeds {MIN_GAP_FOR_SHARE}.",
         "v stall: mean stalled fraction of the second moment over logged steps (measured / theory prediction); "
-        "v drift: median stored v over an fp32 shadow of it at the end (1 = no drift).",
+        "v drift: median stored v over an fp32 shadow of it at the end (1 = no drift); v underflow: mean share of "
+        "v elements stored as exactly zero while their gradient was not; auto: parameters the automatic remedy "
+        "guards at the end / resets it made.",
     ]
     return "\n".join(lines + [""] + notes)
 
 
 def plot_results(results: Sequence[RunResult], path: Path, title: str = "") -> None:
-    """Three panels: validation loss; v stall fraction measured (solid) vs predicted (dashed); v drift."""
+    """Four panels: validation loss; v stall fraction measured (solid) vs predicted (dashed); v drift; v underflow."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
     for index, r in enumerate(results):
         color = f"C{index % 10}"
-        style = "--" if CONFIGS.get(r.name) and CONFIGS[r.name].reset else "-"
+        style = "--" if CONFIGS.get(r.name) and CONFIGS[r.name].baseline else "-"
         for ax, key, kwargs in (
             (axes[0], "val/loss", dict(linestyle=style, marker="o", markersize=3)),
             (axes[1], STALL_KEYS["v_frac"], dict(linestyle="-")),
             (axes[1], STALL_KEYS["v_predicted"], dict(linestyle=":", alpha=0.8)),
             (axes[2], STALL_KEYS["v_drift"], dict(linestyle=style)),
+            (axes[3], STALL_KEYS["v_underflow"], dict(linestyle=style)),
         ):
             points = r.curves.get(key, [])
             if points:
                 steps, values = zip(*points)
                 label = r.name if key != STALL_KEYS["v_predicted"] else None
                 ax.plot(steps, values, color=color, label=label, **kwargs)
-    axes[0].set(title="validation loss (dashed: with resets)", xlabel="step", ylabel="loss")
+    axes[0].set(title="validation loss (dashed: with a remedy)", xlabel="step", ylabel="loss")
     axes[1].set(title="v stalled fraction: measured (solid), theory (dotted)", xlabel="step", ylim=(-0.02, 1.02))
     axes[2].set(title="v drift: median stored v / fp32 shadow", xlabel="step")
     axes[2].axhline(1.0, color="black", linewidth=0.8)
+    axes[3].set(title="v underflow: stored zero, gradient not", xlabel="step")
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
@@ -362,27 +396,56 @@ def prepare_corpus(settings: DemoSettings) -> ByteCorpus:
     return ByteCorpus(load_corpus(settings.data, settings.max_bytes), settings.model.context)
 
 
-def run_demo(
-    settings: DemoSettings, configs: Sequence[RunConfig], out: Path, corpus: ByteCorpus | None = None
-) -> list[RunResult]:
-    """Train every configuration, then write ``results.json``, ``results.txt`` and ``demo.png`` into ``out``."""
-    corpus = corpus or prepare_corpus(settings)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
-    threads = torch.get_num_threads()
+def _train_in_worker(config: RunConfig, settings: DemoSettings, log_root: Path) -> RunResult:
+    """One configuration in a worker process (its own corpus and thread count; no progress bar)."""
+    warnings.filterwarnings("ignore")
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
-    try:
+    return train_config(config, settings, prepare_corpus(settings), log_root)
+
+
+def run_demo(
+    settings: DemoSettings, configs: Sequence[RunConfig], out: Path, corpus: ByteCorpus | None = None,
+    workers: int = 1,
+) -> list[RunResult]:
+    """Train every configuration, then write ``results.json``, ``results.txt`` and ``demo.png`` into ``out``.
+
+    ``workers`` > 1 trains that many configurations at once in separate processes (each with ``settings.threads``
+    threads, without progress bars): on a 2-core machine two single-thread runs finish sooner than one after the
+    other. Results are identical either way."""
+    check_int("workers", workers)
+    corpus = corpus or prepare_corpus(settings)  # fails fast on bad data before any worker starts
+    out.mkdir(parents=True, exist_ok=True)
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+
+        quiet = replace(settings, progress_bar=False)
         for index, config in enumerate(configs, 1):
             print(f"[{index}/{len(configs)}] {config.name}: {config.description}", flush=True)
-            results.append(train_config(config, settings, corpus, out / "logs"))
-    finally:
-        torch.set_num_threads(threads)
+        with ProcessPoolExecutor(min(workers, len(configs)), mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(_train_in_worker, config, quiet, out / "logs") for config in configs]
+            results = []
+            for config, future in zip(configs, futures):
+                results.append(future.result())
+                print(f"  {config.name}: val loss {results[-1].val_loss:.4f} ({results[-1].seconds:.0f} s)",
+                      flush=True)
+    else:
+        results = []
+        threads = torch.get_num_threads()
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)
+        try:
+            for index, config in enumerate(configs, 1):
+                print(f"[{index}/{len(configs)}] {config.name}: {config.description}", flush=True)
+                results.append(train_config(config, settings, corpus, out / "logs"))
+        finally:
+            torch.set_num_threads(threads)
     table = format_table(results)
     (out / "results.txt").write_text(table + "\n")
     summary = {"settings": asdict(settings), "results": [asdict(r) for r in results]}
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
-    title = f"{settings.steps} steps, beta2 {settings.beta2}, seed {settings.seed}"
+    title = f"{settings.steps} steps, lr {settings.lr:g}, beta2 {settings.beta2}, seed {settings.seed}"
     plot_results(results, out / "demo.png", title=title)
     return results
 
