@@ -7,8 +7,9 @@ Every Trainer and every Fabric asks installed factories for extra callbacks. The
 changes nothing by itself:
 
 - ``LIGHTNING_STALE=1`` (or ``monitor``): monitor only;
-- ``LIGHTNING_STALE=theory`` / ``adaptive``: that reset policy;
+- ``LIGHTNING_STALE=theory`` / ``adaptive`` / ``drift``: that reset policy;
 - ``LIGHTNING_STALE=periodic:500``: periodic resets every 500 steps;
+- ``LIGHTNING_STALE=auto``: the automatic remedy (``remedy="auto"``);
 - unset, empty or ``0``: inactive.
 
 A callback passed to the Trainer explicitly wins: the one from the variable then steps aside (with an info line)
@@ -32,13 +33,15 @@ def options_from_env() -> dict[str, Any] | None:
         return None
     if spec in ("1", "true", "on", "monitor"):
         return {}
-    if spec in ("theory", "adaptive"):
+    if spec in ("theory", "adaptive", "drift"):
         return {"reset": spec}
+    if spec == "auto":
+        return {"remedy": "auto"}
     name, _, every = spec.partition(":")
     if name == "periodic" and every.isdigit() and int(every) > 0:
         return {"reset": "periodic", "every": int(every)}
-    raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not understood; use 1 (monitor), theory, adaptive or "
-                     "periodic:<steps>")
+    raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not understood; use 1 (monitor), auto, theory, "
+                     "adaptive, drift or periodic:<steps>")
 
 
 def callbacks_from_env() -> list[Callback]:

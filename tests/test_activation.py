@@ -9,7 +9,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_stale import StaleStateCallback
 from lightning_stale.factory import ENV_VAR, callbacks_from_env
-from lightning_stale.policies import AdaptiveReset, PeriodicReset, TheoryReset
+from lightning_stale.policies import AdaptiveReset, DriftReset, PeriodicReset, TheoryReset
 
 
 def stale_callbacks(trainer: L.Trainer) -> list[StaleStateCallback]:
@@ -25,7 +25,8 @@ def test_entry_point_is_inactive_without_the_environment_variable(monkeypatch, t
 
 @pytest.mark.parametrize(
     ("spec", "policy_type"),
-    [("1", type(None)), ("theory", TheoryReset), ("adaptive", AdaptiveReset), ("periodic:250", PeriodicReset)],
+    [("1", type(None)), ("theory", TheoryReset), ("adaptive", AdaptiveReset), ("periodic:250", PeriodicReset),
+     ("drift", DriftReset), ("auto", type(None))],
 )
 def test_entry_point_adds_the_callback_when_the_variable_is_set(monkeypatch, tmp_path, spec, policy_type):
     monkeypatch.setenv(ENV_VAR, spec)
@@ -34,12 +35,13 @@ def test_entry_point_adds_the_callback_when_the_variable_is_set(monkeypatch, tmp
     assert isinstance(found[0].policy, policy_type)
     if spec.startswith("periodic"):
         assert found[0].policy.every == 250
+    assert found[0].options.remedy == ("auto" if spec == "auto" else None)
 
 
 @pytest.mark.parametrize("spec", ["sometimes", "periodic", "periodic:0", "periodic:x"])
 def test_entry_point_rejects_an_unknown_spec_with_the_allowed_values(monkeypatch, spec):
     monkeypatch.setenv(ENV_VAR, spec)
-    with pytest.raises(ValueError, match="theory, adaptive or periodic"):
+    with pytest.raises(ValueError, match="auto, theory, adaptive, drift or periodic"):
         callbacks_from_env()
 
 
