@@ -640,7 +640,8 @@ class StaleStateMonitor:
             if self.policy is not None and unit.position not in a.pending and unit.period_source:
                 periods[f"{unit.period} ({unit.period_source})"] += 1
         engine = a.engine
-        lines = [f"[lightning_stale] {a.adapter.describe()}; policy: {self.policy!r}; tracking: "
+        remedy = f"; remedy: {self.remedy!r}" if self.remedy is not None else ""
+        lines = [f"[lightning_stale] {a.adapter.describe()}; policy: {self.policy!r}{remedy}; tracking: "
                  + ("exact" if engine.exact else f"sample ({engine.sample_size} elements, "
                     f"{len(engine.cohorts[0]) if engine.cohorts else 0} parameters per step)")
                  + f" every {self.options.track_every} step(s)",

@@ -1,7 +1,7 @@
 """One CPU-DDP training run (2 processes, gloo) with StaleStateCallback; every rank writes what it saw to a JSON file.
 
 Run by ``tests/test_distributed.py`` in a subprocess: ``python tests/ddp_worker.py OUT_DIR RESET STEPS`` with RESET in
-{adaptive, theory}; Lightning's DDP launcher re-runs this script for rank 1. The model has two layers trained in
+{adaptive, theory, auto} (auto: ``remedy="auto"``); Lightning's DDP launcher re-runs this script for rank 1. The model has two layers trained in
 manual optimization by two optimizers: bitsandbytes AdamW8bit and QuantizedAdamW (fp8, stochastic rounding), so one
 launch covers both. Each rank samples its stall measurement with its own seed and, for the adaptive policy, uses its
 own staleness tolerance s0, so the ranks' local decisions differ and only the callback's cross-rank reduction keeps
@@ -107,6 +107,10 @@ def main(out: Path, reset: str, steps: int) -> None:
         policy = AdaptiveReset(s0=0.02 if rank == 0 else 0.5, min_interval=3)
         callback = RecordingCallback(reset=policy, sample_size=512, seed=rank)
         model = TwoOptimizers(beta2=0.8)
+    elif reset == "auto":
+        # Per-rank samples see different underflow; only the agreed readings keep the guards (and m) identical.
+        callback = RecordingCallback(remedy="auto", sample_size=512, seed=rank)
+        model = TwoOptimizers(beta2=0.999)
     else:
         # Theory resets need rho-hat >= 1: b2 = 0.985 gives K* of 70-90 steps for fp8 and the 8-bit map.
         callback = RecordingCallback(reset=reset, sample_size=512, seed=rank)
@@ -133,6 +137,8 @@ def main(out: Path, reset: str, steps: int) -> None:
         "final_state": [state_hashes(opt) for opt in trainer.optimizers],
         "final_params": {n: tensor_hash(p) for n, p in model.named_parameters()},
         "local_totals": callback.local,
+        "remedies": [[u.remedy for u in callback.monitor.units(i)] for i in range(len(trainer.optimizers))],
+        "underflow": [[u.underflow for u in callback.monitor.units(i)] for i in range(len(trainer.optimizers))],
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -25,7 +25,7 @@ from lightning_stale.metrics import MOMENTS, PER_MOMENT, V_COUNTED, V_STALLED  #
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 # Optimizer steps per rank (global_step); two optimizers step once per batch, so half as many batches.
-STEPS = {"adaptive": 60, "theory": 180}
+STEPS = {"adaptive": 60, "theory": 180, "auto": 60}
 
 
 def run_worker(tmp_path: Path, reset: str) -> tuple[dict, dict, list[dict[str, str]]]:
@@ -91,6 +91,17 @@ def test_ddp_ranks_reset_together_and_stay_bit_identical(tmp_path, reset):
             checked += 1
     assert checked >= 2 * (len(local0) - 1)
     assert [float(r["stale/resets"]) for r in rows if r.get("stale/resets")][-1] == len(steps0)
+
+
+@pytest.mark.slow
+def test_ddp_ranks_apply_the_automatic_remedy_together(tmp_path):
+    """Each rank reads underflow on its own sample; the readings are summed before the remedy decides, so both ranks
+    guard the same parameters at the same steps and their optimizer states stay bit-identical."""
+    rank0, rank1, rows = run_worker(tmp_path, "auto")
+    assert rank0["remedies"] == rank1["remedies"] and rank0["underflow"] == rank1["underflow"]
+    assert rank0["final_state"] == rank1["final_state"] and rank0["final_params"] == rank1["final_params"]
+    guarded = [float(r["stale/remedy/guard"]) for r in rows if r.get("stale/remedy/guard")]
+    assert guarded and max(guarded) >= 1, "expected the fp8 optimizer's weight to underflow and be guarded"
 
 
 def test_theory_periods_do_not_depend_on_the_sample_seed(tmp_path):
