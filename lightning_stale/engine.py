@@ -389,8 +389,8 @@ class StallEngine:
         sums = self._segments(torch.stack([stalled, counted.expand_as(stalled), zero], dim=-2), batch)
         sums = sums.permute(0, 2, 1).reshape(-1, 3)  # (k * units, stalled/counted/underflow), slot-major like rows
         self.totals[batch.device].index_add_(0, batch.rows, sums.double().mul_(batch.weights))
-        if self.keep_recent:
-            self.recent[batch.device].index_add_(0, batch.rows, sums)
+        if self.keep_recent:  # unweighted, with the same rows dropped from the underflow column
+            self.recent[batch.device].index_add_(0, batch.rows, sums * (batch.weights > 0))
 
     def _count_large(self, batch: Batch, prev: Tensor) -> None:
         """:meth:`_count` for large segments (exact mode on big tensors): each slot is compared in place with its part
@@ -414,8 +414,8 @@ class StallEngine:
                 counts.append(torch.stack([stalled, n_counted[j], underflow]))
         sums = torch.stack(counts).int()  # slot-major, like batch.rows
         self.totals[batch.device].index_add_(0, batch.rows, sums.double().mul_(batch.weights))
-        if self.keep_recent:
-            self.recent[batch.device].index_add_(0, batch.rows, sums)
+        if self.keep_recent:  # unweighted, with the same rows dropped from the underflow column
+            self.recent[batch.device].index_add_(0, batch.rows, sums * (batch.weights > 0))
 
     @staticmethod
     def _segments(mask: Tensor, batch: Batch) -> Tensor:

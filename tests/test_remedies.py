@@ -110,6 +110,22 @@ def test_auto_guards_the_parameter_whose_v_underflows(caplog):
     assert "underflow guard on for 'weight'" in caplog.text
 
 
+def test_auto_never_guards_a_grid_without_zero():
+    """fp4's second-moment map has no zero (its smallest code is a positive value): nothing there can underflow, so
+    the automatic remedy must not read its code 0 as underflow."""
+    from lightning_stale.optim import QuantizedAdamW
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 256)
+    opt = QuantizedAdamW(model.parameters(), state_format="fp4", min_quantized_size=256)
+    monitor = StaleStateMonitor(opt, remedy="auto", coverage_steps=1)
+    for _ in range(5):
+        for p in model.parameters():  # magnitudes over 4 decades: most of each block takes the smallest code
+            p.grad = torch.randn_like(p) * 10 ** (-4 * torch.rand_like(p))
+        opt.step()
+    assert all(u.underflow == 0.0 and REMEDIES[u.remedy] == "none" for u in monitor.units())
+
+
 def decaying_bf16(steps: int, **options):
     """bf16 states under nearest rounding with a gradient that drops 100x after 20 steps: the stored v cannot follow
     the decay (each step changes it by 0.1%, under half a bf16 ulp), so it drifts above its fp32 EMA."""
