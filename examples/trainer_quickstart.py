@@ -35,7 +35,7 @@ class Regression(L.LightningModule):
 
 def main(steps: int = 200, root: str = "stale-examples") -> dict[str, float]:
     trainer = L.Trainer(max_steps=steps, log_every_n_steps=20, logger=CSVLogger(root, name="trainer"),
-                        callbacks=[StaleStateCallback(reset="theory")],  # the only line this example adds
+                        callbacks=[StaleStateCallback(remedy="auto")],  # the only line this example adds
                         enable_checkpointing=False, enable_progress_bar=False)
     trainer.fit(Regression())
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("stale/")}

@@ -159,11 +159,6 @@ class StaleStateMonitor:
             model for each slot's format and beta), ``"adaptive"`` (paper Alg. 2 on the measured stall fraction),
             ``"drift"`` (when stored v leaves ``drift_band`` around its fp32 EMA) or any
             :class:`~lightning_stale.policies.ResetPolicy`.
-        remedy: ``"auto"`` applies, per parameter, the remedy its measured cause calls for (the underflow guard where
-            v underflows, a drift reset where v drifts out of band, nothing otherwise; see
-            :mod:`lightning_stale.remedies`) and logs ``<prefix>/remedy/guard`` and ``<prefix>/remedy/reset``. It
-            chooses resets itself, so it cannot be combined with ``reset``.
-        drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"``.
         every: reset period in optimizer steps for ``reset="periodic"``.
         s0: staleness tolerance of the theory and adaptive rules (the paper uses 0.6).
         min_interval: fewest steps between two adaptive resets of a parameter.
@@ -191,6 +186,11 @@ class StaleStateMonitor:
             (``QuantizedAdamW``): v and its age restart from zero while m is kept, so the next update is
             ``lr * m_hat / |g|`` per element, unbounded where the new gradient is small (2.6e11x lr and NaN losses
             measured on fp8 states). Other optimizers always use the bounded restart.
+        remedy: ``"auto"`` applies, per parameter, the remedy its measured cause calls for (the underflow guard where
+            v underflows, a drift reset where v drifts out of band, nothing otherwise; see
+            :mod:`lightning_stale.remedies`) and logs ``<prefix>/remedy/guard`` and ``<prefix>/remedy/reset``. It
+            chooses resets itself, so it cannot be combined with ``reset``.
+        drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"``.
         names: the model (``named_parameters`` gives the names) or a mapping name -> parameter, for readable
             per-parameter keys and messages.
         reduce: sums a float64 tensor across processes (every rank calls :meth:`compute` at the same steps). Default:

@@ -22,6 +22,7 @@ def load(name: str):
 def test_trainer_quickstart(tmp_path):
     metrics = load("trainer_quickstart").main(steps=40, root=str(tmp_path))
     assert 0.0 <= metrics["stale/v/frac"] <= 1.0 and "stale/v/predicted" in metrics
+    assert {"stale/remedy/guard", "stale/remedy/reset"} <= set(metrics)  # remedy="auto" reports what it did
 
 
 def test_plain_loop():
