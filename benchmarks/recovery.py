@@ -81,7 +81,8 @@ def _train(name: str, settings: DemoSettings, log_root: str) -> dict:
     result = train_config(CONFIGS[name], settings, corpus, Path(log_root) / f"lr{settings.lr:g}")
     return {"name": name, "lr": settings.lr, "seed": settings.seed, "val_loss": result.val_loss,
             "seconds": result.seconds, **{k: getattr(result, k) for k in (
-                "v_frac", "v_predicted", "v_drift", "v_underflow", "resets", "remedy_guard", "remedy_reset",
+                "v_frac", "v_predicted", "v_drift", "v_underflow", "resets", "remedy_guard", "remedy_stochastic",
+                "remedy_reset",
                 "state_bytes_per_param")}}
 
 
@@ -136,7 +137,7 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
         lines.append(f"| {column} | {gap:+.4f} ± {_fmt(std, '.4f')} | "
                      f"{'yes' if gap > SIGNIFICANT * std else 'no'} |")
     lines += ["", "| configuration | change vs its baseline, paired | recovered | v stall | v underflow | v drift "
-                  "(end) | resets | auto: guarded, resets |", "|---|---|---|---|---|---|---|---|"]
+                  "(end) | resets | auto: guarded, SR, resets |", "|---|---|---|---|---|---|---|---|"]
     for column in columns:
         for row in rows:
             name = cell_config(row, column)
@@ -146,8 +147,8 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
             change, std = paired(name, baseline) if name != baseline else (math.nan, math.nan)
             gap = gaps.get(column, math.nan)
             share = (0.0 - change) / gap if not math.isnan(change) else math.nan
-            remedy = (f"{signal(name, 'remedy_guard'):.1f}, {signal(name, 'remedy_reset'):.1f}"
-                      if row == "auto" else "-")
+            remedy = (f"{signal(name, 'remedy_guard'):.1f}, {_fmt(signal(name, 'remedy_stochastic'), '.1f')}, "
+                      f"{signal(name, 'remedy_reset'):.1f}" if row == "auto" else "-")
             lines.append(
                 f"| {name} | {_fmt(change, '+.4f')}" + (f" ± {std:.4f}" if not math.isnan(std) else "") +
                 f" | {_fmt(100 * share, '.0f') + ('%' if not math.isnan(share) else '')} | "

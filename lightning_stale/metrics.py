@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_stale import theory
 from lightning_stale.adapters.base import MOMENTS
 from lightning_stale.engine import COUNTED, MEASURED, STALLED, UNDERFLOW
-from lightning_stale.remedies import GUARD, REMEDIES, RESET
+from lightning_stale.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
 
 # Per moment, the reduced vector holds: the engine's stall columns (normalized per measured step), the number of
 # slots measured, and weighted sums of drift and prediction (value * weight, weight).
@@ -38,7 +38,7 @@ def key(prefix: str, *parts: str) -> str:
 FRAC, DRIFT, PREDICTED, UNDERFLOW_KEY, BETA_EFF, HORIZON_EFF = "frac", "drift", "predicted", "underflow", "beta_eff", \
     "horizon_eff"
 RESETS, SINCE_RESET = "resets", "since_reset"
-REMEDY = "remedy"  # remedy="auto": <prefix>/remedy/guard (parameters guarded now), <prefix>/remedy/reset (resets so far)
+REMEDY = "remedy"  # remedy="auto": <prefix>/remedy/guard, /stochastic (parameters now), /reset (resets so far)
 
 
 def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[str, float, int]],
@@ -96,6 +96,9 @@ def row(vector: Tensor, prefix: str, resets: int, since_reset: float | None, v_b
     return metrics
 
 
-def remedy_row(prefix: str, guarded: int, resets: int) -> dict[str, float]:
-    """What the automatic remedy did: parameters it keeps under the underflow guard now, parameter resets so far."""
-    return {key(prefix, REMEDY, REMEDIES[GUARD]): float(guarded), key(prefix, REMEDY, REMEDIES[RESET]): float(resets)}
+def remedy_row(prefix: str, guarded: int, stochastic: int, resets: int) -> dict[str, float]:
+    """What the automatic remedy did: parameters it keeps under the underflow guard now, parameters it switched to
+    stochastic rounding, parameter resets so far."""
+    return {key(prefix, REMEDY, REMEDIES[GUARD]): float(guarded),
+            key(prefix, REMEDY, REMEDIES[STOCHASTIC]): float(stochastic),
+            key(prefix, REMEDY, REMEDIES[RESET]): float(resets)}

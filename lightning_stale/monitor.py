@@ -297,8 +297,9 @@ class StaleStateMonitor:
         row = metrics.row(vector, self.options.log_key_prefix, self.reset_events,
                           float(ages.mean()) if ages.size else None, sum(betas) / len(betas) if betas else None)
         if self.remedy is not None and row:  # decisions are agreed across ranks: rank-local counts are global
-            guarded = sum(int((a.schedule.arrays["remedy"] == remedies.GUARD).sum()) for a in self._attached)
-            row.update(metrics.remedy_row(self.options.log_key_prefix, guarded, self.remedy_resets))
+            chosen = np.concatenate([a.schedule.arrays["remedy"] for a in self._attached])
+            row.update(metrics.remedy_row(self.options.log_key_prefix, int((chosen == remedies.GUARD).sum()),
+                                          int((chosen == remedies.STOCHASTIC).sum()), self.remedy_resets))
         return row, per_param
 
     def close(self) -> None:
@@ -572,11 +573,22 @@ class StaleStateMonitor:
             self._remedy(a)
 
     def _remedy(self, a: _Attached) -> None:
-        """Apply the automatic remedy's choice: open (or extend) guard windows, reset drifted parameters."""
+        """Apply the automatic remedy's choice: open (or extend) guard windows; for drifted parameters switch to
+        stochastic rounding where the optimizer has it (once), else reset them."""
         schedule = a.schedule
+        previous = schedule.arrays["remedy"]
         chosen = self.remedy.choose(schedule)
-        still_guarded = (schedule.arrays["remedy"] == remedies.GUARD) & (schedule.arrays["guard_left"] > 0)
+        still_guarded = (previous == remedies.GUARD) & (schedule.arrays["guard_left"] > 0)
         chosen[(chosen == remedies.NONE) & still_guarded] = remedies.GUARD  # a guard window outlasts its reading
+        chosen[(previous == remedies.STOCHASTIC) & (chosen != remedies.GUARD)] = remedies.STOCHASTIC  # for good
+        drifted = np.flatnonzero(chosen == remedies.RESET)
+        if drifted.size and a.adapter.use_stochastic_rounding([schedule.units[i].param for i in drifted]):
+            chosen[drifted] = remedies.STOCHASTIC
+            first = schedule.units[drifted[0]]
+            self._info(f"[lightning_stale] remedy: stochastic rounding from step {a.steps + 1} for {drifted.size} "
+                       f"parameter(s) whose stored v drifted out of [1/{self.remedy.drift.band:g}, "
+                       f"{self.remedy.drift.band:g}] x its fp32 EMA (e.g. {self._unit_name(a, first)!r}: "
+                       f"{first.drift:.2f})")
         guard_rows = np.flatnonzero(chosen == remedies.GUARD)
         for i in guard_rows[schedule.arrays["remedy"][guard_rows] != remedies.GUARD]:
             unit = schedule.units[i]

@@ -6,7 +6,8 @@ Causes and remedies, from ``benchmarks/recovery.py`` (BENCHMARKS.md, "Remedies")
   underflow guard (:mod:`lightning_stale.guard`) on that parameter, for ``GUARD_CHECKS`` check intervals, re-armed
   while the underflow persists. This is what per-tensor fp8 states at a high learning rate need.
 - **v drifts** out of ``[1 / drift_band, drift_band]`` times its fp32 EMA (nearest rounding ratchets v up over
-  thousands of steps): a reset, by :class:`~lightning_stale.policies.DriftReset`'s rule.
+  thousands of steps; :class:`~lightning_stale.policies.DriftReset`'s rule): stochastic rounding from then on where
+  the optimizer offers it (``QuantizedAdamW``), which removes the bias at its source; a reset elsewhere.
 - **stale but in band**: nothing. Hard resets of an unbiased state cost loss at every scale we measured.
 
 Underflow is checked first because an underflowing v also reads as drifted low, and resetting it would not stop the
@@ -24,8 +25,8 @@ from lightning_stale.policies import DriftReset
 from lightning_stale.schedule import ResetSchedule
 from lightning_stale.vocab import MOMENTS
 
-REMEDIES = ("none", "guard", "reset")  # what the automatic remedy chose per parameter, by index
-NONE, GUARD, RESET = range(len(REMEDIES))
+REMEDIES = ("none", "guard", "reset", "stochastic")  # what the automatic remedy chose per parameter, by index
+NONE, GUARD, RESET, STOCHASTIC = range(len(REMEDIES))
 REMEDY_NAMES = ("auto",)  # the values of the front-ends' ``remedy`` argument besides None
 GUARD_CHECKS = 3  # check intervals one underflow reading keeps a parameter guarded
 
@@ -51,7 +52,9 @@ class AutoRemedy:
         return self.drift.moments
 
     def choose(self, schedule: ResetSchedule) -> np.ndarray:
-        """The index in :data:`REMEDIES` of each parameter's remedy (int array), from the latest readings."""
+        """The index in :data:`REMEDIES` of each parameter's remedy (int array), from the latest readings: GUARD,
+        RESET (for drift; the monitor turns it into STOCHASTIC where the optimizer can round stochastically) or
+        NONE."""
         with np.errstate(invalid="ignore"):  # nan: not read yet, so no underflow evidence
             guard = schedule.arrays["underflow"] > self.underflow_threshold
         reset = self.drift.out_of_band(schedule.arrays["drift"], schedule.ages) & ~guard

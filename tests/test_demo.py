@@ -161,7 +161,7 @@ def test_parallel_demo_runs_give_the_serial_results(tmp_path: Path) -> None:
     parallel = run_demo(settings, configs, tmp_path / "parallel", workers=2)
     assert [r.name for r in parallel] == ["fp32", "fp8+auto"]
     assert [r.val_loss for r in parallel] == [r.val_loss for r in serial]
-    assert "auto: guarded/reset" in (tmp_path / "parallel" / "results.txt").read_text()
+    assert "auto: guard/SR/reset" in (tmp_path / "parallel" / "results.txt").read_text()
 
 
 def test_demo_smoke_run(tmp_path: Path) -> None:

@@ -13,11 +13,12 @@ from torch import nn
 from lightning_stale import StaleStateCallback, StaleStateMonitor, metrics
 from lightning_stale.adapters import adapter_for
 from lightning_stale.policies import DriftReset
-from lightning_stale.remedies import GUARD, NONE, REMEDIES, RESET, AutoRemedy
+from lightning_stale.remedies import GUARD, NONE, REMEDIES, RESET, STOCHASTIC, AutoRemedy
 from lightning_stale.schedule import FIELDS, ResetSchedule
 
 GUARD_KEY = metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[GUARD])
 RESET_KEY = metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[RESET])
+SR_KEY = metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[STOCHASTIC])
 
 
 def schedule_with(**columns: list[float]) -> ResetSchedule:
@@ -126,14 +127,19 @@ def test_auto_never_guards_a_grid_without_zero():
     assert all(u.underflow == 0.0 and REMEDIES[u.remedy] == "none" for u in monitor.units())
 
 
-def decaying_bf16(steps: int, **options):
+def decaying_bf16(steps: int, kind: str = "qadamw", **options):
     """bf16 states under nearest rounding with a gradient that drops 100x after 20 steps: the stored v cannot follow
-    the decay (each step changes it by 0.1%, under half a bf16 ulp), so it drifts above its fp32 EMA."""
+    the decay (each step changes it by 0.1%, under half a bf16 ulp), so it drifts above its fp32 EMA. ``kind``:
+    ``QuantizedAdamW`` with bf16 states, or ``torch`` AdamW on bf16 parameters (no stochastic rounding)."""
     from lightning_stale.optim import QuantizedAdamW
 
     torch.manual_seed(0)
     model = nn.Linear(64, 64, bias=False)  # one parameter: the logged drift is its drift
-    opt = QuantizedAdamW(model.parameters(), state_format="bf16", min_quantized_size=256, lr=1e-4)
+    if kind == "torch":
+        model = model.bfloat16()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    else:
+        opt = QuantizedAdamW(model.parameters(), state_format="bf16", min_quantized_size=256, lr=1e-4)
     monitor = StaleStateMonitor(opt, coverage_steps=10, **options)
     reset_steps: list[int] = []
     monitor.add_reset_listener(lambda event: reset_steps.append(event.step))
@@ -142,30 +148,41 @@ def decaying_bf16(steps: int, **options):
         for p in model.parameters():
             p.grad = torch.randn_like(p) * scale
         opt.step()
-    return monitor, reset_steps
+    return monitor, reset_steps, opt
 
 
 def test_drift_is_measured_and_nothing_resets_without_a_policy():
-    monitor, resets = decaying_bf16(500)
+    monitor, resets, _ = decaying_bf16(500)
     assert resets == [] and monitor.compute()["stale/v/drift"] > 1.5
 
 
 def test_drift_policy_resets_when_v_leaves_the_band():
-    monitor, resets = decaying_bf16(500, reset="drift")
+    monitor, resets, _ = decaying_bf16(500, reset="drift")
     # ln(1.5) / (1 - 0.999) = 405 steps of decay after step 20, read at the next check (every 10 steps)
     assert resets and 400 <= resets[0] <= 450
     assert monitor.units()[0].resets >= 1
     assert monitor.compute()["stale/v/drift"] < 1.5  # restarted: stored v and its shadow agree again
 
 
-def test_auto_resets_a_drifting_moment_and_logs_it():
-    monitor, resets = decaying_bf16(500, remedy="auto")
-    assert resets and 400 <= resets[0] <= 450
+def test_auto_switches_a_drifting_moment_to_stochastic_rounding_where_it_can():
+    monitor, resets, opt = decaying_bf16(500, remedy="auto")
+    assert resets == [] and opt.param_groups[0]["rounding"] == "stochastic"
+    assert REMEDIES[monitor.units()[0].remedy] == "stochastic"
     row = monitor.compute()
-    assert row[RESET_KEY] == monitor.remedy_resets >= 1 and row[GUARD_KEY] == 0.0
-    state = monitor.state_dict()
-    again, _ = decaying_bf16(1, remedy="auto")
-    again.load_state_dict(state)
+    assert row[SR_KEY] == 1.0 and row[RESET_KEY] == 0.0 and row[GUARD_KEY] == 0.0
+    again, _, opt = decaying_bf16(1, remedy="auto")
+    again.load_state_dict(monitor.state_dict())
+    opt.step()  # the resumed schedule is adopted at the next step
+    assert REMEDIES[again.units()[0].remedy] == "stochastic"
+
+
+def test_auto_resets_a_drifting_moment_where_rounding_cannot_change():
+    monitor, resets, _ = decaying_bf16(500, kind="torch", remedy="auto")
+    assert resets and 380 <= resets[0] <= 460
+    row = monitor.compute()
+    assert row[RESET_KEY] == monitor.remedy_resets >= 1 and row[GUARD_KEY] == 0.0 and row[SR_KEY] == 0.0
+    again, _, _ = decaying_bf16(1, kind="torch", remedy="auto")
+    again.load_state_dict(monitor.state_dict())
     assert again.remedy_resets == monitor.remedy_resets
 
 

@@ -164,6 +164,12 @@ class OptimizerAdapter(ABC):
         (a v-only reset then gives an unbounded next update); the same as :meth:`reset` for every other optimizer."""
         self.reset(moments, params)
 
+    def use_stochastic_rounding(self, params: Iterable[Tensor]) -> bool:
+        """Switch the write-back rounding of ``params``' stored moments to stochastic rounding from the next step on
+        (an optimizer hyper-parameter, changed in its param groups; the state is not touched). False (nothing done)
+        where the optimizer has no stochastic rounding, which is the default."""
+        return False
+
     def describe(self) -> str:
         """One line for the fit-start summary."""
         return f"{type(self.optimizer).__name__} ({self.family})"

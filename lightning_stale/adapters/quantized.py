@@ -84,6 +84,14 @@ class QuantizedAdamWAdapter(OptimizerAdapter):
         for group, p, state in self.stepped(params):
             self.restart_v(group, p, state)
 
+    def use_stochastic_rounding(self, params: Iterable[Tensor]) -> bool:
+        """Every param group holding one of ``params`` rounds stochastically from the next step on."""
+        chosen = {id(p) for p in params}
+        for group in self.optimizer.param_groups:
+            if any(id(p) in chosen for p in group["params"]):
+                group["rounding"] = "stochastic"
+        return True
+
     def steps_taken(self, param: Tensor) -> int | None:
         step = self.optimizer.state.get(param, {}).get("step_v")
         return None if step is None else int(step)

@@ -24,7 +24,7 @@ import torch
 from lightning_stale import metrics
 from lightning_stale.demo.data import DEFAULT_MAX_BYTES, ByteCorpus, load_corpus
 from lightning_stale.demo.model import DecoderConfig, LanguageModel, OptimizerSpec
-from lightning_stale.remedies import GUARD, REMEDIES, RESET
+from lightning_stale.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
 from lightning_stale.vocab import check_int
 
 STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabulates and plots
@@ -35,6 +35,7 @@ STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabu
     "m_frac": metrics.key(metrics.DEFAULT_PREFIX, "m", metrics.FRAC),
     "resets": metrics.key(metrics.DEFAULT_PREFIX, metrics.RESETS),
     "remedy_guard": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[GUARD]),
+    "remedy_stochastic": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[STOCHASTIC]),
     "remedy_reset": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[RESET]),
 }
 FP32_CONTROL_PERIOD = 300  # the paper's fp8 reset period
@@ -176,6 +177,7 @@ class RunResult:
     v_underflow: float = math.nan
     resets: float = math.nan
     remedy_guard: float = math.nan
+    remedy_stochastic: float = math.nan
     remedy_reset: float = math.nan
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
@@ -302,7 +304,7 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
         points = curves.get(STALL_KEYS[attr], [])
         if points:
             setattr(result, attr, sum(v for _, v in points) / len(points))
-    for attr in ("v_drift", "resets", "remedy_guard", "remedy_reset"):
+    for attr in ("v_drift", "resets", "remedy_guard", "remedy_stochastic", "remedy_reset"):
         points = curves.get(STALL_KEYS[attr], [])
         if points:
             setattr(result, attr, points[-1][1])
@@ -326,7 +328,7 @@ def format_table(results: Sequence[RunResult], reference: str = "fp32") -> str:
     losses = {r.name: r.val_loss for r in results}
     ref = losses.get(reference, math.nan)
     header = ["config", "val loss", f"gap to {reference}", "recovered", "state B/param", "v stall", "v stall pred",
-              "v drift", "v underflow", "resets", "auto: guarded/reset", "time s"]
+              "v drift", "v underflow", "resets", "auto: guard/SR/reset", "time s"]
     rows = [header]
     for r in results:
         baseline = CONFIGS[r.name].baseline if r.name in CONFIGS else None
@@ -337,7 +339,8 @@ def format_table(results: Sequence[RunResult], reference: str = "fp32") -> str:
             r.name, _fmt(r.val_loss, ".4f"), _fmt(r.val_loss - ref, "+.4f"), _fmt(100 * share, ".0f") + ("%" if
             not math.isnan(share) else ""), _fmt(r.state_bytes_per_param, ".2f"), _fmt(r.v_frac, ".3f"),
             _fmt(r.v_predicted, ".3f"), _fmt(r.v_drift, ".2f"), _fmt(r.v_underflow, ".4f"), _fmt(r.resets, ".0f"),
-            "-" if math.isnan(r.remedy_guard) else f"{r.remedy_guard:.0f}/{r.remedy_reset:.0f}",
+            "-" if math.isnan(r.remedy_guard) else
+            f"{r.remedy_guard:.0f}/{r.remedy_stochastic:.0f}/{r.remedy_reset:.0f}",
             _fmt(r.seconds, ".0f"),
         ])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -350,7 +353,7 @@ def format_table(results: Sequence[RunResult], reference: str = "fp32") -> str:
         "v stall: mean stalled fraction of the second moment over logged steps (measured / theory prediction); "
         "v drift: median stored v over an fp32 shadow of it at the end (1 = no drift); v underflow: mean share of "
         "v elements stored as exactly zero while their gradient was not; auto: parameters the automatic remedy "
-        "guards at the end / resets it made.",
+        "guards at the end / switched to stochastic rounding / resets it made.",
     ]
     return "\n".join(lines + [""] + notes)
 
