@@ -578,9 +578,10 @@ class StaleStateMonitor:
         schedule = a.schedule
         previous = schedule.arrays["remedy"]
         chosen = self.remedy.choose(schedule)
-        still_guarded = (previous == remedies.GUARD) & (schedule.arrays["guard_left"] > 0)
-        chosen[(chosen == remedies.NONE) & still_guarded] = remedies.GUARD  # a guard window outlasts its reading
-        chosen[(previous == remedies.STOCHASTIC) & (chosen != remedies.GUARD)] = remedies.STOCHASTIC  # for good
+        # Both switches are for good: a parameter whose v underflowed once stays guarded (its window is re-armed at
+        # every check), and stochastic rounding stays on; only a new cause (drift, underflow) changes the choice.
+        chosen[(chosen == remedies.NONE) & (previous == remedies.GUARD)] = remedies.GUARD
+        chosen[(previous == remedies.STOCHASTIC) & (chosen != remedies.GUARD)] = remedies.STOCHASTIC
         drifted = np.flatnonzero(chosen == remedies.RESET)
         if drifted.size and a.adapter.use_stochastic_rounding([schedule.units[i].param for i in drifted]):
             chosen[drifted] = remedies.STOCHASTIC

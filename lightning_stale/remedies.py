@@ -3,8 +3,9 @@
 Causes and remedies, from ``benchmarks/recovery.py`` (BENCHMARKS.md, "Remedies"):
 
 - **v underflows** (stored exactly zero while the gradient is not): ``m / (sqrt(v) + eps)`` blows up. Remedy: the
-  underflow guard (:mod:`lightning_stale.guard`) on that parameter, for ``GUARD_CHECKS`` check intervals, re-armed
-  while the underflow persists. This is what per-tensor fp8 states at a high learning rate need.
+  underflow guard (:mod:`lightning_stale.guard`) on that parameter from then on (underflow recurs in the formats
+  that show it once, and the guard costs one pass over the parameter's state). This is what per-tensor fp8 states at
+  a high learning rate need.
 - **v drifts** out of ``[1 / drift_band, drift_band]`` times its fp32 EMA (nearest rounding ratchets v up over
   thousands of steps; :class:`~lightning_stale.policies.DriftReset`'s rule): stochastic rounding from then on where
   the optimizer offers it (``QuantizedAdamW``), which removes the bias at its source; a reset elsewhere.
@@ -28,7 +29,7 @@ from lightning_stale.vocab import MOMENTS
 REMEDIES = ("none", "guard", "reset", "stochastic")  # what the automatic remedy chose per parameter, by index
 NONE, GUARD, RESET, STOCHASTIC = range(len(REMEDIES))
 REMEDY_NAMES = ("auto",)  # the values of the front-ends' ``remedy`` argument besides None
-GUARD_CHECKS = 3  # check intervals one underflow reading keeps a parameter guarded
+GUARD_CHECKS = 3  # the guard window opened at each check, in check intervals (re-armed before it ends)
 
 
 class AutoRemedy:

@@ -221,7 +221,7 @@ def _twin_guarded(kind: str, count: bool) -> list[torch.Tensor]:
     return [s.codes().clone() for s in slots if s.moment == "m"]
 
 
-@pytest.mark.parametrize("kind", ["bnb", "torch_fp32", "torch_bf16", "qadamw:int8_dynamic", "torchao"])
+@pytest.mark.parametrize("kind", ["bnb", "torch_fp32", "torch_bf16", "qadamw:int8_dynamic", "qadamw:fp8_e4m3", "qadamw:bf16", "torchao"])
 def test_the_one_pass_guard_writes_what_the_counting_guard_writes(kind):
     """Without ``count`` the guard takes one pass per (v, m) pair (fused for the 65,536-element tensor where a
     compiler exists, eager for the small one); it must zero exactly the m elements the exact, counting path zeroes."""
