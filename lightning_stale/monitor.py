@@ -544,30 +544,32 @@ class StaleStateMonitor:
         """A check step: read the drift of every driver group (and, for the automatic remedy, each parameter's v
         underflow since the last check), agreed across ranks, into the schedule; then let the remedy act.
 
-        One host synchronisation (and one collective with several processes) per check."""
+        One host synchronisation (and one collective with several processes) per check. The reduced vector has four
+        entries per parameter whatever each rank holds (parameters are the same on every rank), so the collective
+        matches even where shards differ."""
         units, engine = a.schedule.units, a.engine
-        groups = {g: i for i, g in enumerate(dict.fromkeys(driver_group(u) for u in engine.units))}
-        group_of = np.array([groups[driver_group(u)] for u in engine.units], dtype=np.int64)
-        drift = np.zeros((len(groups), 2))  # per group: sum of drift * weight, weight
+        local = np.zeros((len(units), 4))  # per unit: drift * weight, weight, v stored as zero, v counted
         for key, value in engine.drift().items():
             entry = engine.entries[key]
             if entry.moment == "v" and units[entry.unit.position].driver() is entry.slot:
-                drift[group_of[entry.unit.position]] += (value * engine.drift_weight(key), engine.drift_weight(key))
-        underflow = np.zeros((len(units), 2))  # per unit: v elements stored as zero, counted
+                local[entry.unit.position, :2] += (value * engine.drift_weight(key), engine.drift_weight(key))
         if self.remedy is not None:
             recent = engine.take_recent()
             for entry in engine.entries.values():
                 if entry.moment == "v":
-                    underflow[entry.unit.position] += recent[entry.row, 2], recent[entry.row, 1]
-        vector = torch.from_numpy(np.concatenate([drift.reshape(-1), underflow.reshape(-1)]))
+                    local[entry.unit.position, 2:] += recent[entry.row, 2], recent[entry.row, 1]
+        vector = torch.from_numpy(local.reshape(-1))
         if self._reduce is not None:
             vector = self._reduce(vector).to(torch.float64).cpu()
-        values = vector.numpy()
-        drift, underflow = values[:drift.size].reshape(-1, 2), values[drift.size:].reshape(-1, 2)
+        values = vector.numpy().reshape(-1, 4)
+        groups = {g: i for i, g in enumerate(dict.fromkeys(driver_group(u) for u in engine.units))}
+        group_of = np.array([groups[driver_group(u)] for u in engine.units], dtype=np.int64)
+        drift = np.zeros((len(groups), 2))  # per driver group: sum of drift * weight, weight
+        np.add.at(drift, group_of, values[:, :2])
         with np.errstate(invalid="ignore", divide="ignore"):
             group_drift = np.where(drift[:, 1] > 0, drift[:, 0] / drift[:, 1], np.nan)
-            read = underflow[:, 1] > 0
-            a.schedule.arrays["underflow"][read] = underflow[read, 0] / underflow[read, 1]
+            read = values[:, 3] > 0
+            a.schedule.arrays["underflow"][read] = values[read, 2] / values[read, 3]
         a.schedule.arrays["drift"][:] = group_drift[group_of]
         if self.remedy is not None:
             self._remedy(a)

@@ -1,6 +1,6 @@
 """The automatic remedy (``remedy="auto"``): per parameter, the fix its measured cause calls for.
 
-Causes and remedies, from ``benchmarks/recovery.py`` (BENCHMARKS.md, "Remedies"):
+Causes and remedies, from ``benchmarks/recovery.py`` (BENCHMARKS.md, "Loss recovery"):
 
 - **v underflows** (stored exactly zero while the gradient is not): ``m / (sqrt(v) + eps)`` blows up. Remedy: the
   underflow guard (:mod:`lightning_stale.guard`) on that parameter from then on (underflow recurs in the formats
@@ -36,7 +36,8 @@ class AutoRemedy:
     """Chooses a remedy per parameter from the schedule's signals (``underflow``, ``drift``, ages).
 
     Args:
-        drift_band: allowed ratio of stored v to its fp32 EMA before a reset (see ``DriftReset``).
+        drift_band: allowed ratio of stored v to its fp32 EMA before stochastic rounding or a reset (see
+            ``DriftReset``).
         min_interval: fewest steps between two resets of a parameter.
         moments: the moments a reset restores.
         underflow_threshold: the guard goes on where the sampled fraction of v stored as zero (with a non-zero
