@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale import adapter_for, register_adapter
-from lightning_stale.adapters.base import OptimizerAdapter, Slot, resolve_moments
+from lightning_stale.adapters.protocol import OptimizerAdapter, Slot, resolve_moments
 
 
 class Int8MomentumSGD(torch.optim.Optimizer):

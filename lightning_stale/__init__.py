@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "StaleStateCallback": "lightning_stale.callback",
     "StaleStateMonitor": "lightning_stale.monitor",
-    "ResetEvent": "lightning_stale.monitor",
+    "MonitorOptions": "lightning_stale.options",
+    "ResetEvent": "lightning_stale.interventions",
     "QuantizedAdamW": "lightning_stale.optim",
     "adapter_for": "lightning_stale.adapters",
     "register_adapter": "lightning_stale.adapters",
@@ -21,11 +22,13 @@ _LAZY = {
 if TYPE_CHECKING:
     from lightning_stale.adapters import adapter_for, register_adapter
     from lightning_stale.callback import StaleStateCallback
-    from lightning_stale.monitor import ResetEvent, StaleStateMonitor
+    from lightning_stale.interventions import ResetEvent
+    from lightning_stale.monitor import StaleStateMonitor
+    from lightning_stale.options import MonitorOptions
     from lightning_stale.optim import QuantizedAdamW
 
 __all__ = [
-    "ResetEvent", "StaleStateCallback", "StaleStateMonitor", "QuantizedAdamW", "adapter_for", "register_adapter",
+    "MonitorOptions", "ResetEvent", "StaleStateCallback", "StaleStateMonitor", "QuantizedAdamW", "adapter_for", "register_adapter",
     "__version__",
 ]
 

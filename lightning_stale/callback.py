@@ -17,9 +17,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_stale import _compat, metrics
 from lightning_stale._compat import rank_zero_info
-from lightning_stale.monitor import MonitorOptions, ResetEvent, ResetListener, StaleStateMonitor
+from lightning_stale.interventions import ResetEvent, ResetListener
+from lightning_stale.monitor import StaleStateMonitor
+from lightning_stale.options import MonitorOptions
 from lightning_stale.policies import ResetPolicy
-from lightning_stale.vocab import MOMENTS
+from lightning_stale.remedies import Remedy
 
 
 class StaleStateCallback(Callback):
@@ -33,9 +35,9 @@ class StaleStateCallback(Callback):
         self,
         reset: str | ResetPolicy | None = None,
         every: int | None = None,
-        s0: float = 0.6,
-        min_interval: int = 50,
-        moments: Sequence[str] = MOMENTS,
+        s0: float | None = None,
+        min_interval: int | None = None,
+        moments: Sequence[str] | None = None,
         track: Literal["sample", "exact"] = "sample",
         sample_size: int = 512,
         params_per_step: int = 4,
@@ -47,8 +49,8 @@ class StaleStateCallback(Callback):
         underflow_guard: bool = False,
         warmup_steps: int = 0,
         v_reset: Literal["bounded", "exact-unbounded"] = "bounded",
-        remedy: Literal["auto"] | None = None,
-        drift_band: float = 1.5,
+        remedy: Literal["auto"] | Remedy | None = None,
+        drift_band: float | None = None,
     ) -> None:
         super().__init__()
         self.options = MonitorOptions(

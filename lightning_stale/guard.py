@@ -1,8 +1,8 @@
 """The underflow guard: zero the first moment of elements whose stored second moment is exactly zero.
 
 The hazard: when an element's v rounds to zero in storage while its m does not, a later zero (or tiny) gradient gives
-the update ``lr * m / eps`` (weights moved by 20-30 in one step at lr 1e-3 in our reproductions with torchao's and
-``QuantizedAdamW``'s 8-bit states, see tests/test_underflow_guard.py). After each real optimizer step the guard writes
+the update ``lr * m / eps`` (tests/test_underflow_guard.py reproduces it with torchao's and ``QuantizedAdamW``'s
+8-bit states). After each real optimizer step the guard writes
 the zero code into m wherever v is stored as zero, so the element holds a fresh state (m = v = 0). Its next update
 is then 0 for a zero gradient and ``lr * (1 - b1) * g / sqrt((1 - b2) * g**2)`` for any other gradient
 (bias-corrected, at most about ``3.2 * lr`` at the default betas): the size of a first Adam step, never ``m / eps``.
@@ -14,7 +14,7 @@ elements so small against their block that their v already reads as zero.
 
 Cost: one pass that reads v's codes and rewrites m's where v's are the zero code. Where both layouts offer a
 per-element view (:meth:`Slot.zero_view`: plain float states, 8-bit block-wise maps), a large tensor's pass is one
-fused kernel (``torch.compile``) and small tensors of one layout are guarded together in four tensor ops however
+fused kernel (``torch.compile``) and small tensors of one layout are guarded together in five tensor ops however
 many there are (:class:`GuardPlan`); other layouts (packed 4-bit, fp8 blocks) take a few eager mask operations each. The one-pass test leaves out elements of
 a block whose scale is 0 under a non-zero code: such a block's v is zero because every squared gradient in it
 underflowed (|g| below about 1e-22), so its m is as small and its update negligible.
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale import _compat
-from lightning_stale.adapters.base import Slot
+from lightning_stale.adapters.protocol import Slot
 
 FUSED_MIN_NUMEL = 1 << 16  # smaller tensors: the eager ops cost less than a compiled call's dispatch
 _fused_failed = False  # set when torch.compile failed here once; the eager ops are used from then on

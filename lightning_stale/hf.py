@@ -17,7 +17,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from lightning_stale.monitor import MonitorOptions, StaleStateMonitor
+from lightning_stale.monitor import StaleStateMonitor
+from lightning_stale.options import MonitorOptions
 
 
 class StaleStateHFCallback(TrainerCallback):
@@ -25,7 +26,7 @@ class StaleStateHFCallback(TrainerCallback):
     :class:`~lightning_stale.monitor.StaleStateMonitor`."""
 
     def __init__(self, **options: Any) -> None:
-        self.options = MonitorOptions(**options)
+        self.options = MonitorOptions.from_arguments(type(self).__name__, options)
         self.monitor: StaleStateMonitor | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, model: Any = None,

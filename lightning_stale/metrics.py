@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from lightning_stale import theory
-from lightning_stale.adapters.base import MOMENTS
-from lightning_stale.engine import COUNTED, MEASURED, STALLED, UNDERFLOW
+from lightning_stale.adapters.protocol import MOMENTS
+from lightning_stale.counting import COUNTED, MEASURED, STALLED, UNDERFLOW
 from lightning_stale.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
 
 # Per moment, the reduced vector holds: the engine's stall columns (normalized per measured step), the number of
@@ -42,13 +42,13 @@ REMEDY = "remedy"  # remedy="auto": <prefix>/remedy/guard, /stochastic (paramete
 
 
 def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[str, float, int]],
-                  predicted: Tensor) -> Tensor:
+                  predicted: np.ndarray) -> Tensor:
     """The per-moment vector of one engine's window (host, float64).
 
     ``totals``: (rows, N_STATS) sums since the last window; ``moments``: each row's moment; ``drift``: (moment,
     value, weight) of each shadowed slot; ``predicted``: (rows, 2) sum and count of the theory's predictions.
     """
-    totals_np, predicted_np = totals.numpy(), predicted.numpy()
+    totals_np, predicted_np = totals.numpy(), predicted
     moment_of = np.array([MOMENTS.index(m) for m in moments], dtype=np.int64)
     measured = totals_np[:, MEASURED]
     per_step = totals_np[:, :MEASURED] / np.maximum(measured, 1.0)[:, None]  # each slot per measured step
@@ -67,7 +67,8 @@ def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[
     return torch.from_numpy(vector.reshape(-1))
 
 
-def row(vector: Tensor, prefix: str, resets: int, since_reset: float | None, v_beta: float | None) -> dict[str, float]:
+def row(vector: np.ndarray, prefix: str, resets: int, since_reset: float | None,
+        v_beta: float | None) -> dict[str, float]:
     """The metrics of one logged row from the reduced per-moment vector."""
     values = vector.reshape(len(MOMENTS), PER_MOMENT).tolist()
     metrics: dict[str, float] = {}

@@ -10,14 +10,15 @@ A reset happens after the optimizer step that completes the period: with ``Perio
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from lightning_stale import predict
 from lightning_stale.schedule import NO_PERIOD, ResetSchedule, ResetUnit
 from lightning_stale.theory import statistical_error
-from lightning_stale.vocab import MOMENTS, check_int, check_moments, check_open_unit, invalid
+from lightning_stale.vocab import MOMENTS, build_shortcut, check_int, check_moments, check_open_unit, invalid
 
 
 def check_s0(s0: float) -> float:
@@ -36,7 +37,7 @@ def check_band(band: float) -> float:
 
 class ResetPolicy:
     """Base class. ``moments`` names the moments a reset restores; ``needs_sync`` says whether decisions depend on
-    per-rank measurements (then the callback reduces them across ranks so every rank resets at the same step);
+    per-rank measurements (then the monitor sums them across ranks so every rank resets at the same step);
     ``needs_measurement`` asks for each measured step's stall fractions (:meth:`observe`), ``needs_drift`` for the
     drift readings of check steps (``unit.drift``, already agreed across ranks)."""
 
@@ -161,8 +162,8 @@ class DriftReset(ResetPolicy):
     Drift is read on check steps (every ``coverage_steps``, one host synchronisation each) on the engine's drift
     panel, which shadows at least one parameter of every (moment, format, beta) group; every parameter of a group
     takes its group's reading (averaged across ranks). It catches the slow bias of nearest rounding ("v can only go
-    up": bf16 v 1.57x too large after 6,000 steps at CPU scale), which stall counts alone do not size. Parameters
-    driven by a first moment (no v) have no drift band and are never reset.
+    up"), which stall counts alone do not size. Parameters driven by a first moment (no v) have no drift band and
+    are never reset.
     """
 
     needs_sync = False
@@ -191,28 +192,23 @@ class DriftReset(ResetPolicy):
 
 
 
-POLICY_NAMES = ("periodic", "theory", "adaptive", "drift")
+# reset shortcut -> (policy class, the monitor arguments it takes -> its constructor's names for them)
+SHORTCUTS: dict[str, tuple[type[ResetPolicy], dict[str, str]]] = {
+    "periodic": (PeriodicReset, {"every": "every", "moments": "moments"}),
+    "theory": (TheoryReset, {"s0": "s0", "moments": "moments"}),
+    "adaptive": (AdaptiveReset, {"s0": "s0", "min_interval": "min_interval", "moments": "moments"}),
+    "drift": (DriftReset, {"drift_band": "band", "min_interval": "min_interval", "moments": "moments"}),
+}
+POLICY_NAMES = tuple(SHORTCUTS)
 
 
-def make_policy(
-    reset: str | ResetPolicy | None, every: int | None, s0: float, min_interval: int, moments: Sequence[str],
-    drift_band: float = 1.5,
-) -> ResetPolicy | None:
-    """Turn the callback's ``reset`` shortcut into a policy object (``None`` = monitor only)."""
+def make_policy(reset: str | ResetPolicy | None, arguments: Mapping[str, Any]) -> tuple[ResetPolicy | None, set[str]]:
+    """Turn the front-ends' ``reset`` into a policy object (``None`` = monitor only) from the policy ``arguments`` the
+    user passed (``every``, ``s0``, ...; the policy's defaults for the others); returns it and the arguments used."""
     if reset is None or isinstance(reset, ResetPolicy):
-        if every is not None and reset is None:
-            raise ValueError("`every` is only used with reset='periodic'; pass reset='periodic' or drop `every`")
-        return reset
-    if reset == "periodic":
-        if every is None:
-            raise ValueError("reset='periodic' needs `every` (a positive int number of optimizer steps)")
-        return PeriodicReset(every, moments)
-    if every is not None:
-        raise ValueError(f"`every` is only used with reset='periodic', not reset={reset!r}")
-    if reset == "theory":
-        return TheoryReset(s0, moments)
-    if reset == "adaptive":
-        return AdaptiveReset(s0, min_interval, moments)
-    if reset == "drift":
-        return DriftReset(drift_band, min_interval, moments)
-    raise ValueError(f"`reset` must be None, one of {POLICY_NAMES} or a ResetPolicy instance, got {reset!r}")
+        return reset, set()
+    if reset not in POLICY_NAMES:
+        raise invalid("reset", f"None, one of {POLICY_NAMES} or a ResetPolicy instance", reset)
+    if reset == "periodic" and arguments.get("every") is None:
+        raise ValueError("reset='periodic' needs `every` (a positive int number of optimizer steps)")
+    return build_shortcut("reset", reset, SHORTCUTS, arguments)

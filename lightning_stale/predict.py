@@ -3,8 +3,8 @@
 Float formats (bf16, fp16, fp8, fp4) take the paper's closed form from the format's precision; other grids (the 8-bit
 dynamic map of bitsandbytes/torchao, foreign layouts) take the generalized estimate on a sample of the slot's stored
 values and local spacing (:func:`lightning_stale.theory.estimate_grid`, our extension of the paper). Estimated
-rho-hats are rounded to a 1% bucket so that slots share their curves and periods: a model with a thousand 8-bit
-tensors builds a few dozen curves once, and the step path only indexes them.
+rho-hats are rounded to a 1% bucket so that slots share their curves and periods: a curve is built once per bucket,
+and the step path only indexes them.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import numpy as np
 
 from lightning_stale import theory
 from lightning_stale._compat import local_tensor
-from lightning_stale.adapters.base import Slot
+from lightning_stale.adapters.protocol import Slot
 from lightning_stale.formats import FORMAT_NAMES, get_format
 from lightning_stale.sampling import choose_sample
 
 ESTIMATE_SAMPLE_SIZE = 4096  # stored values a grid estimate looks at
-ESTIMATE_SEED = 0  # rank-independent: theory periods are not reduced across ranks, so every rank must agree
+ESTIMATE_SEED = 0  # rank-independent: every process samples the same positions of its shard
 RHO_BUCKET = 0.01  # relative width of the rho-hat buckets of grid estimates
 MAX_CURVE = 200_000  # build-up curves stop here (20 EMA horizons of b2 = 0.9999)
 
@@ -62,12 +62,6 @@ def estimate_sums(slot: Slot, key: str) -> tuple[float, int] | None:
 def rho_from_sums(inverse_sum: float, n: int, beta: float) -> float:
     """The bucketed rho-hat of the harmonic-mean relative spacing ``n / inverse_sum`` (our extension, Eq. 7)."""
     return bucket(theory.rho_from_relative_spacing(n / inverse_sum, beta))
-
-
-def estimate_rho(slot: Slot, key: str) -> float | None:
-    """The generalized grid estimate of a slot's rho-hat, bucketed; None while it cannot be made yet."""
-    sums = estimate_sums(slot, key)
-    return None if sums is None else rho_from_sums(*sums, slot.beta)
 
 
 def bucket(rho: float) -> float:

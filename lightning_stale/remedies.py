@@ -1,39 +1,55 @@
-"""The automatic remedy (``remedy="auto"``): per parameter, the fix its measured cause calls for.
+"""Remedies chosen per parameter from its measured cause (``remedy="auto"``), applied on check steps.
 
-Causes and remedies, from ``benchmarks/recovery.py`` (BENCHMARKS.md, "Loss recovery"):
+A :class:`Remedy` maps the signals a check step agreed across ranks (the schedule's ``underflow``, ``drift`` and ages)
+to a choice per parameter, an index into :data:`REMEDIES`; the monitor applies it. :class:`AutoRemedy`:
 
 - **v underflows** (stored exactly zero while the gradient is not): ``m / (sqrt(v) + eps)`` blows up. Remedy: the
   underflow guard (:mod:`lightning_stale.guard`) on that parameter from then on (underflow recurs in the formats
-  that show it once, and the guard costs one pass over the parameter's state). This is what per-tensor fp8 states at
-  a high learning rate need.
+  that show it once, and the guard costs one pass over the parameter's state).
 - **v drifts** out of ``[1 / drift_band, drift_band]`` times its fp32 EMA (nearest rounding ratchets v up over
   thousands of steps; :class:`~lightning_stale.policies.DriftReset`'s rule): stochastic rounding from then on where
   the optimizer offers it (``QuantizedAdamW``), which removes the bias at its source; a reset elsewhere.
-- **stale but in band**: nothing. Hard resets of an unbiased state cost loss at every scale we measured.
+- **stale but in band**: nothing (hard resets of an unbiased state cost loss; see BENCHMARKS.md).
 
 Underflow is checked first because an underflowing v also reads as drifted low, and resetting it would not stop the
-next underflow. Decisions are made on check steps from signals the monitor has already agreed across ranks, so every
-rank applies the same remedy at the same step. Override :meth:`AutoRemedy.choose` for another rule.
+next underflow. Every rank applies the same remedy at the same step. Subclass :class:`Remedy` (or override
+:meth:`AutoRemedy.choose`) for another rule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from lightning_stale.policies import DriftReset
 from lightning_stale.schedule import ResetSchedule
-from lightning_stale.vocab import MOMENTS
+from lightning_stale.vocab import MOMENTS, build_shortcut, invalid
 
-REMEDIES = ("none", "guard", "reset", "stochastic")  # what the automatic remedy chose per parameter, by index
+REMEDIES = ("none", "guard", "reset", "stochastic")  # what a remedy chose per parameter, by index
 NONE, GUARD, RESET, STOCHASTIC = range(len(REMEDIES))
-REMEDY_NAMES = ("auto",)  # the values of the front-ends' ``remedy`` argument besides None
 GUARD_CHECKS = 3  # the guard window opened at each check, in check intervals (re-armed before it ends)
 
 
-class AutoRemedy:
-    """Chooses a remedy per parameter from the schedule's signals (``underflow``, ``drift``, ages).
+class Remedy:
+    """Base class: chooses, on every check step, a remedy per parameter. ``moments`` names the moments its resets
+    restore; ``min_interval`` is the fewest steps between two of its resets of a parameter."""
+
+    moments: tuple[str, ...] = MOMENTS
+
+    def choose(self, schedule: ResetSchedule) -> np.ndarray:
+        """The index in :data:`REMEDIES` of each parameter's remedy (int array) from the latest readings: GUARD,
+        RESET (the monitor turns it into STOCHASTIC where the optimizer can round stochastically) or NONE."""
+        raise NotImplementedError
+
+    def describe_drift(self) -> str:
+        """The drift rule, for messages (``"out of [1/b, b] x its fp32 EMA"``)."""
+        return "drifted"
+
+
+class AutoRemedy(Remedy):
+    """Guard where v underflows, stochastic rounding (else a reset) where v drifts out of band, nothing otherwise.
 
     Args:
         drift_band: allowed ratio of stored v to its fp32 EMA before stochastic rounding or a reset (see
@@ -50,18 +66,35 @@ class AutoRemedy:
         self.underflow_threshold = float(underflow_threshold)
 
     @property
-    def moments(self) -> tuple[str, ...]:
+    def moments(self) -> tuple[str, ...]:  # type: ignore[override]
         return self.drift.moments
 
     def choose(self, schedule: ResetSchedule) -> np.ndarray:
-        """The index in :data:`REMEDIES` of each parameter's remedy (int array), from the latest readings: GUARD,
-        RESET (for drift; the monitor turns it into STOCHASTIC where the optimizer can round stochastically) or
-        NONE."""
         with np.errstate(invalid="ignore"):  # nan: not read yet, so no underflow evidence
             guard = schedule.arrays["underflow"] > self.underflow_threshold
         reset = self.drift.out_of_band(schedule.arrays["drift"], schedule.ages) & ~guard
         return np.where(guard, GUARD, np.where(reset, RESET, NONE))
 
+    def describe_drift(self) -> str:
+        return f"drifted out of [1/{self.drift.band:g}, {self.drift.band:g}] x its fp32 EMA"
+
     def __repr__(self) -> str:
         return (f"AutoRemedy(drift_band={self.drift.band}, min_interval={self.drift.min_interval}, "
                 f"moments={self.moments}, underflow_threshold={self.underflow_threshold})")
+
+
+# remedy name -> (remedy class, the monitor arguments it takes -> its constructor's names for them)
+SHORTCUTS: dict[str, tuple[type[Remedy], dict[str, str]]] = {
+    "auto": (AutoRemedy, {"drift_band": "drift_band", "min_interval": "min_interval", "moments": "moments"}),
+}
+REMEDY_NAMES = tuple(SHORTCUTS)
+
+
+def make_remedy(remedy: str | Remedy | None, arguments: Mapping[str, Any]) -> tuple[Remedy | None, set[str]]:
+    """Turn the front-ends' ``remedy`` into a remedy object (``None``: none) from the arguments the user passed;
+    returns it and the arguments used."""
+    if remedy is None or isinstance(remedy, Remedy):
+        return remedy, set()
+    if remedy not in REMEDY_NAMES:
+        raise invalid("remedy", f"one of {(None, *REMEDY_NAMES)} or a Remedy instance", remedy)
+    return build_shortcut("remedy", remedy, SHORTCUTS, arguments)

@@ -1,8 +1,11 @@
-"""Reset bookkeeping per parameter: ages, periods, resets, warm-up, the theory's rho-hat; arrays over parameters.
+"""Reset bookkeeping per parameter: ages, periods, resets, warm-up, guard windows, the theory's rho-hat, the signals
+of check steps and the automatic remedy's choice; arrays over parameters.
 
 One :class:`ResetSchedule` per optimizer. Its per-parameter fields are numpy arrays so that the per-step work
 (every age advances, built-in policies compare ages with periods) is a few vectorized operations whatever the number
-of parameters; a policy sees one parameter through a :class:`ResetUnit`, a view into those arrays.
+of parameters; a policy sees one parameter through a :class:`ResetUnit`, a view into those arrays. Only this module
+writes the arrays: the other components call the schedule's named mutators, and policies write the fields that are
+theirs (``period``, ``period_source``, ``accumulator``, ``measured``) through the unit.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_stale.adapters.base import Slot
-from lightning_stale.engine import Entry, Unit
+from lightning_stale.adapters.protocol import Slot
+from lightning_stale.tracked import Unit, driver_slot
 
 NO_PERIOD = -1
 
@@ -52,16 +55,11 @@ class ResetUnit:
 
     @property
     def slots(self) -> list[Slot]:
-        return [e.slot for e in self._unit.entries]
-
-    @property
-    def entries(self) -> list[Entry]:
-        return self._unit.entries
+        return self._unit.slots
 
     def driver(self) -> Slot | None:
         """The slot whose staleness drives the decision: the second moment when there is one, else the first."""
-        by_moment = {s.moment: s for s in self.slots}
-        return by_moment.get("v") or by_moment.get("m")
+        return driver_slot(self.slots)
 
     @property
     def period(self) -> int | None:
@@ -89,20 +87,21 @@ class ResetUnit:
         return f"ResetUnit({self.key!r}, age={self.age}, period={self.period})"
 
 
-def _field(name: str, kind: type) -> property:
+def _field(name: str, kind: type, writable: bool) -> property:
     def get(self: ResetUnit) -> Any:
         return kind(self._schedule.arrays[name][self.position])
 
     def set(self: ResetUnit, value: Any) -> None:
         self._schedule.arrays[name][self.position] = value
 
-    return property(get, set)
+    return property(get, set if writable else None)
 
 
+POLICY_FIELDS = ("measured", "accumulator")  # the fields a policy keeps itself (besides its period)
 for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "remedy"):
-    setattr(ResetUnit, _name, _field(_name, int))
+    setattr(ResetUnit, _name, _field(_name, int, _name in POLICY_FIELDS))
 for _name in ("accumulator", "drift", "underflow"):
-    setattr(ResetUnit, _name, _field(_name, float))
+    setattr(ResetUnit, _name, _field(_name, float, _name in POLICY_FIELDS))
 
 
 class ResetSchedule:
@@ -136,20 +135,65 @@ class ResetSchedule:
                 restored = self._restored.pop(unit.key, None)
                 if restored is None and initial_age is not None:
                     arrays["age"][i] = initial_age(unit)
-                for name, value in (restored or {}).items():
-                    arrays[name][i] = value
+                for name in HISTORY if restored is not None else ():
+                    if name in restored:
+                        arrays[name][i] = restored[name]
         self.arrays, self.sources, self.keys = arrays, sources, [u.key for u in units]
         self.units = [ResetUnit(self, i, unit) for i, unit in enumerate(units)]
         self.betas = np.array([_beta(u.driver()) for u in self.units], dtype=np.float64)
         return [self.units[i] for i in fresh]
 
+    @classmethod
+    def of(cls, n: int, **fields: Any) -> ResetSchedule:
+        """A schedule of ``n`` parameters with the given fields (arrays or scalars; the others at their defaults),
+        without slots: to ask a policy or remedy what it would decide on given signals."""
+        schedule = cls()
+        schedule.arrays = {name: np.full(n, default, dtype=kind) for name, (kind, default) in FIELDS.items()}
+        for name, values in fields.items():
+            schedule.arrays[name][:] = values
+        schedule.sources, schedule.keys = [""] * n, [str(i) for i in range(n)]
+        return schedule
+
     @property
     def ages(self) -> np.ndarray:
         return self.arrays["age"]
 
+    # -- mutators: how the other components change the bookkeeping ---------------------------------------------------
     def advance(self) -> None:
         """One real optimizer step for every parameter."""
         self.arrays["age"] += 1
+
+    def set_rho(self, position: int, rho: float) -> None:
+        """The theory's rho-hat of a parameter's driver slot (once known)."""
+        self.arrays["rho"][position] = rho
+
+    def set_signals(self, drift: np.ndarray, underflow: np.ndarray) -> None:
+        """A check step's readings, agreed across ranks: every parameter's drift (nan: none), and the underflow of
+        the parameters whose v was counted since the last check (nan elsewhere keeps the previous reading)."""
+        read = ~np.isnan(underflow)
+        self.arrays["underflow"][read] = underflow[read]
+        self.arrays["drift"][:] = drift
+
+    def set_remedy(self, chosen: np.ndarray) -> None:
+        """What the automatic remedy chose per parameter (indices into ``remedies.REMEDIES``)."""
+        self.arrays["remedy"][:] = chosen
+
+    def open_guard(self, rows: np.ndarray, steps: int) -> None:
+        """Keep the parameters at ``rows`` under the underflow guard for at least ``steps`` more steps."""
+        self.arrays["guard_left"][rows] = np.maximum(self.arrays["guard_left"][rows], steps)
+
+    def use_guard_step(self) -> list[ResetUnit]:
+        """The parameters inside a guard window, each window one step shorter afterwards."""
+        rows = np.flatnonzero(self.arrays["guard_left"] > 0)
+        self.arrays["guard_left"][rows] -= 1
+        return [self.units[i] for i in rows]
+
+    def use_warmup_step(self, position: int, steps: int) -> float:
+        """The factor ``i / steps`` of a parameter's ``i``-th post-reset warm-up step (of ``steps``), which it uses
+        up."""
+        factor = (steps - int(self.arrays["warmup_left"][position]) + 1) / steps
+        self.arrays["warmup_left"][position] -= 1
+        return factor
 
     def record_reset(self, units: list[ResetUnit], step: int, warmup_steps: int, guard_steps: int) -> None:
         """Restart the cycle of ``units`` after their reset at optimizer step ``step``."""
@@ -157,7 +201,7 @@ class ResetSchedule:
         for name, value in (("age", 0), ("measured", 0), ("accumulator", 0.0), ("warmup_left", warmup_steps),
                             ("last_reset_step", step), ("drift", math.nan)):
             self.arrays[name][rows] = value
-        self.arrays["guard_left"][rows] = np.maximum(self.arrays["guard_left"][rows], guard_steps)
+        self.open_guard(rows, guard_steps)
         self.arrays["resets"][rows] += 1
 
     @property
@@ -174,22 +218,17 @@ class ResetSchedule:
         """Some parameter is inside a guard window."""
         return bool(self.arrays["guard_left"].any())
 
-    def guarded(self) -> list[ResetUnit]:
-        """Parameters inside a guard window (one step of it is used up per call)."""
-        rows = np.flatnonzero(self.arrays["guard_left"] > 0)
-        self.arrays["guard_left"][rows] -= 1
-        return [self.units[i] for i in rows]
-
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {key: {**{name: self.arrays[name][i].item() for name in FIELDS}, "period_source": self.sources[i]}
+        """Every parameter's fields by key (with what a loaded checkpoint holds for parameters not seen again yet)."""
+        live = {key: {**{name: self.arrays[name][i].item() for name in FIELDS}, "period_source": self.sources[i]}
                 for i, key in enumerate(self.keys)}
+        return {**self._restored, **live}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt the measured history of a checkpoint (ages, reset counts, warm-up, adaptive accumulators, rho-hat
         estimates); periods are re-derived by the policy configured now."""
-        self._restored = {key: {name: fields[name] for name in HISTORY if name in fields}
-                          for key, fields in state.items()}
+        self._restored = {key: dict(fields) for key, fields in state.items()}
 
 
 def _beta(slot: Slot | None) -> float:

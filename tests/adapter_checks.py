@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_stale.adapters import adapter_for
-from lightning_stale.adapters.base import OptimizerAdapter
+from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.sampling import choose_sample
 
 MakeOpt = Callable[[list[nn.Parameter]], torch.optim.Optimizer]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_stale import StaleStateMonitor
-from lightning_stale.monitor import StaleStateInternalWarning
+from lightning_stale.messages import StaleStateInternalWarning
 from lightning_stale.optim import QuantizedAdamW
 
 

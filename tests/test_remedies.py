@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from conftest import Regression, fit, logged
@@ -14,7 +13,7 @@ from lightning_stale import StaleStateCallback, StaleStateMonitor, metrics
 from lightning_stale.adapters import adapter_for
 from lightning_stale.policies import DriftReset
 from lightning_stale.remedies import GUARD, NONE, REMEDIES, RESET, STOCHASTIC, AutoRemedy
-from lightning_stale.schedule import FIELDS, ResetSchedule
+from lightning_stale.schedule import ResetSchedule
 
 GUARD_KEY = metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[GUARD])
 RESET_KEY = metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[RESET])
@@ -23,12 +22,7 @@ SR_KEY = metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[STOCHASTIC
 
 def schedule_with(**columns: list[float]) -> ResetSchedule:
     """A schedule whose per-parameter arrays hold the given signals (the other fields at their defaults)."""
-    n = len(next(iter(columns.values())))
-    schedule = ResetSchedule()
-    schedule.arrays = {name: np.full(n, default, dtype=kind) for name, (kind, default) in FIELDS.items()}
-    for name, values in columns.items():
-        schedule.arrays[name][:] = values
-    return schedule
+    return ResetSchedule.of(len(next(iter(columns.values()))), **columns)
 
 
 # -- decisions from synthetic signals ---------------------------------------------------------------------------------

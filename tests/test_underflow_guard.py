@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import logged, trainer_for
 from lightning_stale import StaleStateCallback
 from lightning_stale.adapters import adapter_for
-from lightning_stale.adapters.base import Slot
+from lightning_stale.adapters.protocol import Slot
 from lightning_stale.guard import guard_underflow
 
 LR = 1e-3

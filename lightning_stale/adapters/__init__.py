@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 import torch
 
 from lightning_stale import _compat
-from lightning_stale.adapters.base import MOMENTS, Moment, OptimizerAdapter, Slot
+from lightning_stale.adapters.protocol import MOMENTS, Moment, OptimizerAdapter, Slot
 
 __all__ = ["ENTRY_POINT_GROUP", "MOMENTS", "Moment", "OptimizerAdapter", "Slot", "adapter_for", "register_adapter"]
 

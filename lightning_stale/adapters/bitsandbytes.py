@@ -17,7 +17,8 @@ import bitsandbytes as bnb
 import torch
 from torch import Tensor
 
-from lightning_stale.adapters.base import BlockQmapSlot, FloatSlot, Moment, SharedStepAdapter, Slot
+from lightning_stale.adapters.layouts import BlockQmapSlot, FloatSlot
+from lightning_stale.adapters.protocol import Moment, SharedStepAdapter, Slot
 from lightning_stale.adapters.restart import restarted_v, round_up_blockwise, round_up_float
 
 BLOCK = 256
@@ -69,13 +70,12 @@ class BitsAndBytesAdapter(SharedStepAdapter):
     def _slot(self, p: Tensor, state: dict, key: str, half: int | None, moment: Moment, beta: float | None) -> Slot:
         stored = state[key] if half is None else state[key][half]
         name = key if half is None else f"{key}[{half}]"
-        extra = {"split": half is not None}
         if stored.dtype == torch.uint8:
             n = key[-1]
             scale = state[f"absmax{n}"] if half is None else state[f"absmax{n}"][half]
-            return BlockQmapSlot(p, moment, beta, "int8_dynamic", name, extra=extra, stored=stored,
+            return BlockQmapSlot(p, moment, beta, "int8_dynamic", name, stored=stored,
                                  scale=scale, qmap=state[f"qmap{n}"], block_size=BLOCK)
-        return FloatSlot(p, moment, beta, "fp32", name, extra=extra, tensor=stored)
+        return FloatSlot(p, moment, beta, "fp32", name, tensor=stored)
 
     def present_moments(self) -> frozenset[Moment]:
         return frozenset(moment for _, _, moment, _ in self.layout)

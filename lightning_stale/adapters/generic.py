@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from lightning_stale._compat import local_tensor
-from lightning_stale.adapters.base import FLOAT_FORMATS, FloatSlot, Moment, OptimizerAdapter, Slot, resolve_moments
+from lightning_stale.adapters.layouts import FLOAT_FORMATS, FloatSlot
+from lightning_stale.adapters.protocol import Moment, OptimizerAdapter, Slot, resolve_moments
 
 _SECOND_MOMENT = re.compile(r"sq|var|nu|second", re.IGNORECASE)
 

@@ -6,7 +6,7 @@ Moments: ``exp_avg`` -> m (beta1), ``exp_avg_sq`` -> v (beta2), each in the form
 Resets: both moments (and both ages) restart exactly; m alone restarts exactly with its own age. v alone uses the
 bounded restart of :mod:`.restart` by default, like the shared-step adapters: the paper's exact asymmetric reset (v
 and its age from zero, m kept) makes the next update ``lr * m_hat / |g|`` per element, unbounded where the new
-gradient is small (2.6e11x lr measured on fp8 states), so it runs only through :meth:`reset_exact`.
+gradient is small (BENCHMARKS.md, reset safety), so it runs only through :meth:`reset_exact`.
 """
 
 from __future__ import annotations
@@ -16,17 +16,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_stale.adapters.base import (
-    MOMENTS,
-    BlockFp8Slot,
-    BlockQmapSlot,
-    FloatSlot,
-    Moment,
-    OptimizerAdapter,
-    Packed4bitSlot,
-    Slot,
-    resolve_moments,
-)
+from lightning_stale.adapters.layouts import BlockFp8Slot, BlockQmapSlot, FloatSlot, Packed4bitSlot
+from lightning_stale.adapters.protocol import MOMENTS, Moment, OptimizerAdapter, Slot, resolve_moments
 from lightning_stale.adapters.restart import restarted_v, round_up_blockwise, round_up_float, round_up_fp8_blockwise
 from lightning_stale.formats import QuantizedState, StateFormat
 from lightning_stale.formats.base import pack_nibbles

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_stale.adapters.base import BlockQmapSlot, FloatSlot, Slot
+from lightning_stale.adapters.layouts import BlockQmapSlot, FloatSlot
+from lightning_stale.adapters.protocol import Slot
 
 BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state_dict nests its quantization state
 

@@ -14,15 +14,8 @@ import torch
 from torch import Tensor
 
 from lightning_stale._compat import local_tensor
-from lightning_stale.adapters.base import (
-    FLOAT_FORMATS,
-    FloatSlot,
-    Moment,
-    OptimizerAdapter,
-    SharedStepAdapter,
-    Slot,
-    resolve_moments,
-)
+from lightning_stale.adapters.layouts import FLOAT_FORMATS, FloatSlot
+from lightning_stale.adapters.protocol import Moment, OptimizerAdapter, SharedStepAdapter, Slot, resolve_moments
 from lightning_stale.adapters.restart import restarted_v, round_up_float
 
 

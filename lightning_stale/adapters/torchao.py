@@ -23,16 +23,8 @@ from torchao.optim.subclass_8bit import OptimState8bit
 from torchao.optim.subclass_fp8 import OptimStateFp8
 
 from lightning_stale._compat import local_tensor, torchao_optimizer_classes
-from lightning_stale.adapters.base import (
-    FLOAT_FORMATS,
-    BlockFp8Slot,
-    BlockQmapSlot,
-    FloatSlot,
-    Moment,
-    SharedStepAdapter,
-    Packed4bitSlot,
-    Slot,
-)
+from lightning_stale.adapters.layouts import FLOAT_FORMATS, BlockFp8Slot, BlockQmapSlot, FloatSlot, Packed4bitSlot
+from lightning_stale.adapters.protocol import Moment, SharedStepAdapter, Slot
 from lightning_stale.adapters.restart import (
     restarted_v,
     round_up_blockwise,

@@ -3,7 +3,8 @@
 Each step follows the paper's Algorithm 1: dequantize both moments, update them in fp32, update the parameter from
 the unrounded fp32 moments (decoupled weight decay, as ``torch.optim.AdamW``), then write the moments back in their
 format. Each moment keeps its own bias-correction age (``step_m``, ``step_v``) so one moment can be reset alone, and
-the step counts how many stored codes it left unchanged (the stall counts the callback reads).
+with ``count_stalls=True`` the step counts how many stored codes it left unchanged (an exact count for diagnostics;
+the monitor samples the stored codes itself).
 
 One function, :func:`_update`, does all of this for one parameter. It runs eagerly for small parameters and, where a
 C++ compiler is available, fused by ``torch.compile`` (one Inductor kernel instead of 30-40 elementwise passes) for

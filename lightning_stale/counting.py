@@ -1,0 +1,249 @@
+"""Stall and underflow counts of the sampled codes of one cohort, in a few batched tensor ops per layout.
+
+A cohort's parameters that share a layout form a :class:`Batch`: their sampled codes are read with one ``torch.cat``
+before and after the step, compared against one shared gradient read, summed per slot (one reshaped sum when the
+samples are equal, else one scan; slot by slot for large exact-mode slots) and added to a device-resident totals
+matrix with one ``index_add_``. :class:`Counts` owns those matrices and reads them back (the only host reads).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_stale.formats.base import unpack_nibbles
+from lightning_stale.tracked import Entry, Unit
+
+STALLED, COUNTED, UNDERFLOW, MEASURED = range(4)  # columns of a window's per-slot totals (MEASURED: on the host)
+N_STATS = 4
+EXACT_BATCH = 1 << 22  # elements compared in one batch in exact mode (bounds the transient memory)
+PER_SLOT_COUNTS = 1 << 13  # mean sampled elements per parameter from which a batch counts slot by slot
+
+
+@dataclass(eq=False)
+class Batch:
+    """Parameters of one cohort whose ``k`` slots have the same layout (device, packing per slot, sample shape):
+    their sampled codes are concatenated slot by slot, ``(k, elements)``, and compared against one concatenated
+    gradient sample, ``(elements,)``, that every slot row shares."""
+
+    units: list[Unit]
+    k: int
+    packed: tuple[bool, ...]  # per slot row: two 4-bit codes per byte (QuantizedAdamW's moments may differ)
+    code_views: list[Tensor]  # k * len(units) strided views of the state, slot-major: valid while tensors are kept
+    lengths: list[int]  # sampled elements per unit
+    last: Tensor  # index of each unit's last element in the concatenation
+    rows: Tensor  # (k * units,) row of each slot in this device's totals matrix, slot-major
+    weights: Tensor  # (k * units, 3): elements per sampled element; 0 for underflow where none is possible
+    zero_codes: Tensor | None  # (k, 1): each row's zero code, only when some zero code is not 0
+    underflow_rows: list[bool]  # per slot row: a second moment whose grid has a zero (underflow is counted)
+    per_slot_counts: bool  # large segments: one count_nonzero per slot is faster than a cumulative sum
+    global_rows: np.ndarray  # (k * units,) rows in the engine's row order (host)
+    positions: np.ndarray  # (k * units,) unit positions (host)
+    is_v: np.ndarray  # (k * units,) second moments (host)
+    uniform: bool = field(init=False)  # every row packed alike: the raw views concatenate as they are
+
+    def __post_init__(self) -> None:
+        self.uniform = len(set(self.packed)) == 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    @property
+    def entries(self) -> list[Entry]:
+        return [u.entries[i] for i in range(self.k) for u in self.units]
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors the batch keeps between steps (its views of the state excluded)."""
+        return [self.last, self.rows, self.weights, *([] if self.zero_codes is None else [self.zero_codes])]
+
+    def snapshot(self) -> Tensor:
+        """The sampled codes as stored now, concatenated: the views as they are when every row has the same packing
+        (one kernel), else each view as one code per element (packed and unpacked rows have different widths)."""
+        if self.uniform:
+            return torch.cat(self.code_views)
+        n = len(self.units)
+        return torch.cat([flat_codes(view, self.packed[j // n]) for j, view in enumerate(self.code_views)])
+
+    def codes(self, snapshot: Tensor) -> Tensor:
+        """A :meth:`snapshot` as ``(k, elements)``, one code per element."""
+        return (flat_codes(snapshot, self.packed[0]) if self.uniform else snapshot).view(self.k, -1)
+
+
+def plan_batches(units: list[Unit], sample_size: int, local_row: dict[str, int]) -> list[Batch]:
+    """The batches of one cohort: its parameters grouped by layout (``local_row``: each slot's row in its device's
+    totals matrix)."""
+    groups: dict[tuple, list[list[Unit]]] = {}
+    for unit in units:
+        if unit.sample.count == 0:  # an empty (shard of a) parameter: nothing to read
+            continue
+        # Code dtypes may differ (torch.cat promotes them exactly: uint8 and int16 codes widen to int32).
+        # Parameters with the common sample size form their own batch: equal segments sum without a scan.
+        layout = (unit.param.device, unit.sample.full, unit.sample.numel == sample_size,
+                  tuple(e.slot.packed for e in unit.entries))
+        split = groups.setdefault(layout, [[]])
+        if split[-1] and sum(u.sample.numel for u in split[-1]) >= EXACT_BATCH:
+            split.append([])
+        split[-1].append(unit)
+    return [_batch(units, local_row) for split in groups.values() for units in split]
+
+
+def _batch(units: list[Unit], local_row: dict[str, int]) -> Batch:
+    device, k = units[0].param.device, len(units[0].entries)
+    lengths = [u.sample.numel for u in units]
+    entries = [u.entries[i] for i in range(k) for u in units]
+    zeros = [e.slot.zero_code() if e.moment == "v" else None for e in units[0].entries]  # one layout per row
+    weights = [[w, w, w if zeros[i // len(units)] is not None else 0.0]
+               for i, w in enumerate(e.unit.numel / e.unit.sample.numel for e in entries)]
+    zero_codes = None
+    if any(zeros):
+        zero_codes = torch.tensor([[z or 0] for z in zeros], device=device)
+    return Batch(
+        units, k, tuple(e.slot.packed for e in units[0].entries),
+        [e.slot.sampled_codes(e.unit.sample) for e in entries], lengths,
+        torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64, device=device),
+        torch.tensor([local_row[e.key] for e in entries], dtype=torch.int64, device=device),
+        torch.tensor(weights, dtype=torch.float64, device=device), zero_codes, [z is not None for z in zeros],
+        sum(lengths) / len(lengths) >= PER_SLOT_COUNTS,
+        np.array([e.row for e in entries], dtype=np.int64),
+        np.array([e.unit.position for e in entries], dtype=np.int64),
+        np.array([e.moment == "v" for e in entries], dtype=bool))
+
+
+class Counts:
+    """Per-slot sums of one optimizer: weighted (stalled, counted, underflow) on each slot's device since the last
+    window, measured steps per slot on the host, and, for readers that decide from fresh counts (the adaptive policy,
+    the automatic remedy), unweighted sums since each reader's last read.
+
+    Args:
+        readers: the names of the readers of :meth:`take_recent` (none: recent sums are not kept).
+    """
+
+    def __init__(self, readers: tuple[str, ...] = ()) -> None:
+        self.readers = readers
+        self.totals: dict[torch.device, Tensor] = {}  # per device: (its rows, 3) weighted stalled/counted/underflow
+        self.recent: dict[torch.device, Tensor] = {}  # per device: (its rows, 3) int32, when there are readers
+        self.measured = np.zeros(0)  # per row: measured steps in the window
+        self.local_row: dict[str, int] = {}  # slot key -> row in its device's totals
+        self._where: dict[str, torch.device] = {}  # slot key -> its device
+        self._device_rows: dict[torch.device, list[int]] = {}  # per device: the global row of each local row
+        self._unread: dict[str, np.ndarray] = {}  # per reader: recent sums read on behalf of it, not yet taken
+
+    def rebuild(self, old: dict[str, Entry], new: dict[str, Entry], restored: dict[str, dict]) -> None:
+        """New rows for the new slot set, carrying each kept slot's sums (and a restored checkpoint's rows)."""
+        rows: dict[torch.device, list[Entry]] = {}
+        for entry in new.values():
+            rows.setdefault(entry.slot.param.device, []).append(entry)
+        totals = {d: torch.zeros(len(g), 3, dtype=torch.float64, device=d) for d, g in rows.items()}
+        measured = np.zeros(len(new))
+        for device, group in rows.items():
+            for local, entry in enumerate(group):
+                previous = old.get(entry.key)
+                if previous is not None and previous.key in self._where:
+                    totals[device][local] = self.totals[self._where[previous.key]][self.local_row[previous.key]]
+                    measured[entry.row] = self.measured[previous.row]
+                elif entry.key in restored:
+                    saved = restored.pop(entry.key)
+                    totals[device][local] = saved["totals"].to(totals[device])
+                    measured[entry.row] = saved["measured"]
+        self.totals, self.measured = totals, measured
+        self.recent = {d: torch.zeros(len(g), 3, dtype=torch.int32, device=d) for d, g in rows.items()} \
+            if self.readers else {}
+        self._unread = {}
+        self._where = {e.key: d for d, g in rows.items() for e in g}
+        self.local_row = {e.key: local for g in rows.values() for local, e in enumerate(g)}
+        self._device_rows = {d: [e.row for e in g] for d, g in rows.items()}
+
+    def count(self, batch: Batch, prev: Tensor, placeholders: dict) -> None:
+        """Add the stalls and underflows of one measured batch (``prev``: its snapshot before the step)."""
+        if batch.per_slot_counts:
+            self._count_large(batch, prev, placeholders)
+        else:
+            new, prev = batch.codes(batch.snapshot()), batch.codes(prev)
+            grad = torch.cat([u.grad_view(u.sample, placeholders) for u in batch.units]).reshape(-1)
+            magnitude = grad.abs()
+            counted = (magnitude > 0).logical_and_(magnitude < math.inf)  # NaN compares false: not counted
+            stalled = (new == prev).logical_and_(counted)
+            # zero codes on every row; the weights drop the rows that cannot underflow (first moments, zero-free grids)
+            zero = (new == (0 if batch.zero_codes is None else batch.zero_codes)).logical_and_(counted)
+            sums = _segments(torch.stack([stalled, counted.expand_as(stalled), zero], dim=-2), batch)
+            self._add(batch, sums.permute(0, 2, 1).reshape(-1, 3))  # (k * units, 3), slot-major like the rows
+        self.measured[batch.global_rows] += 1
+
+    def _count_large(self, batch: Batch, prev: Tensor, placeholders: dict) -> None:
+        """:meth:`count` for large segments (exact mode on big tensors): each slot is compared in place with its part
+        of the snapshot and counted directly, without concatenating the new codes or the gradients."""
+        n = len(batch.units)
+        prev_parts = batch.codes(prev).split(batch.lengths, dim=1)  # per parameter
+        masks, n_counted = [], []
+        for unit in batch.units:
+            magnitude = unit.grad_view(unit.sample, placeholders).reshape(-1).abs()
+            masks.append((magnitude > 0).logical_and_(magnitude < math.inf))
+            n_counted.append(torch.count_nonzero(masks[-1]))
+        none = n_counted[0].new_zeros(())
+        counts = []
+        for i in range(batch.k):
+            zero = None if batch.zero_codes is None else batch.zero_codes[i]
+            for j, mask in enumerate(masks):
+                new = flat_codes(batch.code_views[i * n + j], batch.packed[i])
+                stalled = torch.count_nonzero((new == prev_parts[j][i]).logical_and_(mask))
+                underflow = torch.count_nonzero((new == (0 if zero is None else zero)).logical_and_(mask)) \
+                    if batch.underflow_rows[i] else none
+                counts.append(torch.stack([stalled, n_counted[j], underflow]))
+        self._add(batch, torch.stack(counts).int())  # slot-major, like batch.rows
+
+    def _add(self, batch: Batch, sums: Tensor) -> None:
+        self.totals[batch.device].index_add_(0, batch.rows, sums.double().mul_(batch.weights))
+        if self.readers:  # unweighted, with the same rows dropped from the underflow column
+            self.recent[batch.device].index_add_(0, batch.rows, sums * (batch.weights > 0))
+
+    def take_window(self) -> Tensor:
+        """Per-slot totals since the previous call, (rows, N_STATS) float64 on the host in row order; starts a new
+        window (one host read per device)."""
+        totals = torch.zeros(len(self.measured), N_STATS, dtype=torch.float64)
+        for device, local in self.totals.items():
+            totals[self._device_rows[device], :MEASURED] = local.cpu()
+            local.zero_()
+        totals[:, MEASURED] = torch.from_numpy(self.measured)
+        self.measured[:] = 0.0
+        return totals
+
+    def take_recent(self, reader: str) -> np.ndarray:
+        """Unweighted (stalled, counted, underflow) sums of every slot since ``reader``'s previous call, (rows, 3) on
+        the host in row order (one host read; what the other readers have not taken yet is kept for them)."""
+        fresh = np.zeros((len(self.measured), 3), dtype=np.int64)
+        for device, recent in self.recent.items():
+            fresh[self._device_rows[device]] = recent.cpu().numpy()
+            recent.zero_()
+        for other in self.readers:
+            if other != reader:
+                self._unread[other] = self._unread[other] + fresh if other in self._unread else fresh
+        kept = self._unread.pop(reader, None)
+        return fresh if kept is None else kept + fresh
+
+    def tensors(self) -> list[Tensor]:
+        """The device tensors kept between steps."""
+        return [*self.totals.values(), *self.recent.values()]
+
+    def state_dict(self, entries: dict[str, Entry]) -> dict[str, dict]:
+        host = {device: totals.cpu() for device, totals in self.totals.items()}
+        return {e.key: {"totals": host[self._where[e.key]][self.local_row[e.key]].clone(),
+                        "measured": float(self.measured[e.row])} for e in entries.values()}
+
+
+def _segments(mask: Tensor, batch: Batch) -> Tensor:
+    """Per-parameter true counts of a (..., elements) bool mask: (..., parameters) int32, with one reshaped sum (all
+    segments equal) or one cumulative sum."""
+    if len(set(batch.lengths)) == 1:  # equal segments: a reshaped sum
+        return mask.view(torch.uint8).unflatten(-1, (len(batch.lengths), -1)).sum(-1, dtype=torch.int32)
+    cumulative = torch.cumsum(mask, dim=-1, dtype=torch.int32).index_select(-1, batch.last)
+    return torch.diff(cumulative, dim=-1, prepend=torch.zeros_like(cumulative[..., :1]))
+
+
+def flat_codes(codes: Tensor, packed: bool) -> Tensor:
+    """Concatenated sampled codes as one code per element (two 4-bit codes per byte, high nibble first)."""
+    return unpack_nibbles(codes) if packed else codes.reshape(-1)

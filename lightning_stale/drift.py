@@ -1,0 +1,137 @@
+"""Drift: how far stored moments have moved from an fp32 *shadow* EMA of the same gradients (same beta, restarted
+with the state), kept on a fixed panel of parameters because a shadow must see every gradient.
+
+The panel holds at most ``DRIFT_PARAMS`` parameters in sample mode (all of them in exact mode), chosen by a hash of
+their keys with one parameter of every driver format first (drift is read per format), on the first
+``DRIFT_SAMPLE`` elements of their sample. Drift is the median ratio stored/shadow for v and the relative L2 error for
+m.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_stale.sampling import Sample
+from lightning_stale.tracked import Entry, Unit, driver_group
+
+DRIFT_PARAMS = 4  # parameters with a drift shadow in sample mode
+DRIFT_SAMPLE = 128  # shadowed elements per slot
+
+
+@dataclass(eq=False)
+class Shadow:
+    """fp32 shadow EMAs of panel parameters whose slots share a layout (device, sample shape, moments and betas):
+    one row per slot, one gradient concatenation per step for all of them."""
+
+    units: list[Unit]
+    samples: list[Sample]  # the shadowed prefix of each unit's sample
+    squared: list[bool]  # per row: the EMA averages g**2 (a second moment) rather than g
+    weight: Tensor  # (rows, 1): 1 - beta
+    values: Tensor  # (rows, elements)
+    starts: list[int]  # each unit's first element
+
+    def part(self, row: int, unit: int) -> Tensor:
+        start = self.starts[unit]
+        return self.values[row, start:start + self.samples[unit].numel]
+
+
+class DriftPanel:
+    """The shadows of one optimizer's panel parameters: updated every step, read on logging and check steps."""
+
+    def __init__(self, exact: bool) -> None:
+        self.exact = exact
+        self._shadows: list[Shadow] = []
+        self._of: dict[str, tuple[Shadow, int, int]] = {}  # slot key -> (shadow, row, unit index)
+
+    def rebuild(self, units: list[Unit], old_entries: dict[str, Entry], fresh_state: bool,
+                restored: dict[str, Tensor]) -> None:
+        """Choose the panel among ``units`` and build its shadows, carrying each kept slot's shadow (then a restored
+        checkpoint's); a new slot starts from zero if its state was created by this step (``fresh_state``), else
+        from its stored value."""
+        old = {key: s.part(row, i).clone() for key, (s, row, i) in self._of.items()}
+        candidates = [u for u in units if u.sample.count > 0 and any(e.slot.beta is not None for e in u.entries)]
+        if not self.exact:  # a hashed choice, one parameter of every driver format first (drift is read per format)
+            candidates.sort(key=lambda u: zlib.crc32(u.key.encode()))
+            firsts = list({driver_group(u): u for u in reversed(candidates)}.values())
+            candidates = (firsts + [u for u in candidates if u not in firsts])[:max(DRIFT_PARAMS, len(firsts))]
+            candidates.sort(key=lambda u: u.index)
+        groups: dict[tuple, list[Unit]] = {}
+        for unit in candidates:
+            layout = tuple((e.moment, e.slot.beta) for e in unit.entries if e.slot.beta is not None)
+            groups.setdefault((unit.param.device, unit.sample.full, layout), []).append(unit)
+        self._shadows, self._of = [], {}
+        for (device, _, layout), members in groups.items():
+            samples = [u.sample.prefix(DRIFT_SAMPLE) for u in members]
+            lengths = [s.numel for s in samples]
+            shadow = Shadow(members, samples, [m == "v" for m, _ in layout],
+                            torch.tensor([[1.0 - b] for _, b in layout], device=device),
+                            torch.zeros(len(layout), sum(lengths), device=device),
+                            [int(x) for x in np.cumsum([0] + lengths[:-1])])
+            self._shadows.append(shadow)
+            for i, unit in enumerate(members):
+                for row, entry in enumerate(e for e in unit.entries if e.slot.beta is not None):
+                    self._of[entry.key] = (shadow, row, i)
+                    if entry.key in old:
+                        shadow.part(row, i).copy_(old[entry.key])
+                    elif entry.key in restored:
+                        shadow.part(row, i).copy_(restored.pop(entry.key))
+                    elif not (fresh_state and entry.key not in old_entries):
+                        self.resync(entry)
+
+    def clear(self) -> None:
+        """Forget every shadow (a checkpoint's take their place when the slots are next built)."""
+        self._shadows, self._of = [], {}
+
+    def update(self, placeholders: dict) -> None:
+        """One EMA step of every shadow with this step's gradients (NaN/Inf elements leave the EMA where it is)."""
+        for shadow in self._shadows:
+            grad = torch.cat([u.grad_view(sample, placeholders) for u, sample in zip(shadow.units, shadow.samples)])
+            grad = grad.reshape(-1).float()
+            signal = torch.stack([grad * grad if squared else grad for squared in shadow.squared])
+            signal = torch.where(grad.abs() < math.inf, signal, shadow.values)
+            shadow.values.lerp_(signal, shadow.weight)
+
+    def resync(self, entry: Entry) -> None:
+        """Restart a slot's shadow from its stored value (exactly zero right after a full reset)."""
+        if entry.key in self._of:
+            shadow, row, i = self._of[entry.key]
+            shadow.part(row, i).copy_(entry.slot.value_at(self._positions(entry)).float())
+
+    def readings(self, entries: dict[str, Entry]) -> dict[str, float]:
+        """Drift of each shadowed slot (median stored/shadow for v, relative L2 error for m), by slot key; slots
+        without a finite reading yet are left out (one host read per slot)."""
+        out = {}
+        for key, (shadow, row, i) in self._of.items():
+            entry = entries[key]
+            stored, reference = entry.slot.value_at(self._positions(entry)).float(), shadow.part(row, i)
+            if entry.moment == "v":
+                ok = reference > 0
+                value = float((stored[ok] / reference[ok]).median()) if bool(ok.any()) else math.nan
+            else:
+                norm = float(reference.norm())
+                value = float((stored - reference).norm()) / norm if norm > 0 else math.nan
+            if math.isfinite(value):
+                out[key] = value
+        return out
+
+    def weight(self, key: str) -> int:
+        """Shadowed elements of a slot (the weight of its drift in aggregates)."""
+        shadow, _, i = self._of[key]
+        return shadow.samples[i].numel
+
+    def _positions(self, entry: Entry) -> Tensor:
+        shadow, _, i = self._of[entry.key]
+        return shadow.samples[i].positions(entry.slot.param.device)
+
+    def tensors(self) -> list[Tensor]:
+        """The device tensors kept between steps."""
+        return [t for s in self._shadows for t in (s.values, s.weight)]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {key: s.part(row, i).cpu().clone() for key, (s, row, i) in self._of.items()}

@@ -1,0 +1,148 @@
+"""Interventions: everything the monitor changes in one optimizer's state or step, on the decisions of the policy and
+the remedy: resets (announced to listeners as a :class:`ResetEvent`), the underflow guard (everywhere, or inside
+guard windows), the post-reset warm-up, and the remedy's choices (guard windows, stochastic rounding, resets).
+
+Every change to optimizer state is made in place by the adapter or the guard; the bookkeeping goes through the
+schedule's mutators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_stale import guard
+from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
+from lightning_stale.engine import StallEngine
+from lightning_stale.messages import info
+from lightning_stale.remedies import GUARD, GUARD_CHECKS, NONE, RESET, STOCHASTIC, Remedy
+from lightning_stale.schedule import ResetSchedule, ResetUnit
+
+POST_RESET_GUARD_STEPS = 30  # steps after a reset during which the underflow guard protects the reset parameters
+
+
+@dataclass(frozen=True)
+class ResetEvent:
+    """What a reset listener receives: ``step``, the monitor's count of real optimizer steps after which the reset
+    ran (skipped steps excluded; counted from ``steps_taken`` when the monitor attached, restored from its checkpoint
+    on resume); the ``optimizer``; the ``slots`` (parameter x moment) that were reset."""
+
+    step: int
+    optimizer: torch.optim.Optimizer
+    slots: list[Slot]
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The parameters whose state was reset, each once, in slot order."""
+        return list({id(s.param): s.param for s in self.slots}.values())
+
+
+ResetListener = Callable[[ResetEvent], None]
+
+
+class Interventions:
+    """Resets, guard, warm-up and remedy actions for one optimizer.
+
+    Args:
+        adapter, engine, schedule: the optimizer's components (the engine's drift shadows restart with a reset).
+        underflow_guard: guard every parameter after every step (else only inside guard windows).
+        warmup_steps: post-reset warm-up length (0: none).
+        exact_v_reset: use the adapter's exact (unbounded) per-moment reset.
+        listeners: called with every :class:`ResetEvent` (the monitor's list: later additions are seen).
+        name: a parameter's readable name, for messages.
+    """
+
+    def __init__(self, adapter: OptimizerAdapter, engine: StallEngine, schedule: ResetSchedule, *,
+                 underflow_guard: bool, warmup_steps: int, exact_v_reset: bool, listeners: list[ResetListener],
+                 name: Callable[[ResetUnit], str]) -> None:
+        self.adapter, self.engine, self.schedule = adapter, engine, schedule
+        self.underflow_guard, self.warmup_steps, self.exact_v_reset = underflow_guard, warmup_steps, exact_v_reset
+        self.listeners, self._name = listeners, name
+        self.resets = 0  # reset events
+        self.remedy_resets = 0  # parameter resets the remedy made
+        self._guard_plan: tuple[tuple, guard.GuardPlan] | None = None  # (engine version and guarded positions, plan)
+        self._warming: dict[int, Tensor] = {}  # parameters before a warm-up step
+
+    # -- every step --------------------------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        """Keep the parameters inside a post-reset warm-up as they are before the step."""
+        if self.schedule.warming_any:
+            self._warming = {u.position: u.param.detach().clone() for u in self.schedule.warming()}
+
+    def warm_up(self) -> None:
+        """Scale this step's update of recently reset parameters: p = p_old + (i / warmup_steps) * (p - p_old)."""
+        for position, old in self._warming.items():
+            factor = self.schedule.use_warmup_step(position, self.warmup_steps)
+            with torch.no_grad():
+                self.schedule.units[position].param.lerp_(old, 1.0 - factor)
+        self._warming = {}
+
+    def guard(self) -> None:
+        """Run the underflow guard on every parameter, or on those inside a guard window, through a plan kept while
+        the guarded set and the slots stay."""
+        if self.underflow_guard:
+            units = self.schedule.units
+        elif self.schedule.guarding:
+            units = self.schedule.use_guard_step()
+        else:
+            return
+        key = (self.engine.version, tuple(u.position for u in units))
+        if self._guard_plan is None or self._guard_plan[0] != key:
+            self._guard_plan = (key, guard.GuardPlan(s for unit in units for s in unit.slots))
+        self._guard_plan[1].run()
+
+    # -- decisions ---------------------------------------------------------------------------------------------------
+    def reset(self, units: list[ResetUnit], moments: Sequence[str], step: int) -> None:
+        """Reset ``moments`` of ``units`` in place after optimizer step ``step``, and tell the listeners."""
+        reset = self.adapter.reset_exact if self.exact_v_reset else self.adapter.reset
+        reset(moments=moments, params=[u.param for u in units])
+        self.engine.resync([u.position for u in units], tuple(moments))
+        slots = [s for u in units for s in u.slots if s.moment in moments]
+        self.schedule.record_reset(units, step, self.warmup_steps, POST_RESET_GUARD_STEPS)
+        self.resets += 1
+        event = ResetEvent(step, self.adapter.optimizer, slots)
+        for listener in self.listeners:
+            listener(event)
+
+    def apply_remedy(self, remedy: Remedy, step: int, check_every: int) -> None:
+        """Apply the remedy's choice after a check step: open (or extend) guard windows; for drifted parameters switch
+        to stochastic rounding where the optimizer has it (once), else reset them."""
+        schedule = self.schedule
+        previous = schedule.arrays["remedy"]
+        chosen = remedy.choose(schedule)
+        # Both switches are for good: a parameter whose v underflowed once stays guarded (its window is re-armed at
+        # every check), and stochastic rounding stays on; only a new cause (drift, underflow) changes the choice.
+        chosen[(chosen == NONE) & (previous == GUARD)] = GUARD
+        chosen[(previous == STOCHASTIC) & (chosen != GUARD)] = STOCHASTIC
+        drifted = np.flatnonzero(chosen == RESET)
+        if drifted.size and self.adapter.use_stochastic_rounding([schedule.units[i].param for i in drifted]):
+            chosen[drifted] = STOCHASTIC
+            first = schedule.units[drifted[0]]
+            info(f"[lightning_stale] remedy: stochastic rounding from step {step + 1} for {drifted.size} parameter(s) "
+                 f"whose stored v {remedy.describe_drift()} (e.g. {self._name(first)!r}: {first.drift:.2f})")
+        guard_rows = np.flatnonzero(chosen == GUARD)
+        for i in guard_rows[previous[guard_rows] != GUARD]:
+            unit = schedule.units[i]
+            info(f"[lightning_stale] remedy: underflow guard on for {self._name(unit)!r} (v stored as zero for "
+                 f"{100 * unit.underflow:.2g}% of its sampled elements with a non-zero gradient)")
+        schedule.open_guard(guard_rows, GUARD_CHECKS * check_every)
+        schedule.set_remedy(chosen)
+        reset_rows = np.flatnonzero(chosen == RESET)
+        if reset_rows.size:
+            units = [schedule.units[i] for i in reset_rows]
+            info(f"[lightning_stale] remedy: reset {len(units)} parameter(s) whose stored v {remedy.describe_drift()} "
+                 f"(e.g. {self._name(units[0])!r}: {units[0].drift:.2f}) at step {step}")
+            self.remedy_resets += len(units)
+            self.reset(units, remedy.moments, step)
+
+    # -- checkpointing -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"resets": self.resets, "remedy_resets": self.remedy_resets}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resets, self.remedy_resets = int(state.get("resets", 0)), int(state.get("remedy_resets", 0))

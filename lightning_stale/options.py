@@ -1,0 +1,99 @@
+"""MonitorOptions: every option the front-ends share, validated once where they are given.
+
+Frozen, so one object can configure several monitors (the Fabric front-end attaches one per optimizer). The reset
+policy and the remedy are built here from their shortcut names and the arguments that configure them (``every``,
+``s0``, ``min_interval``, ``moments``, ``drift_band``); an argument that nothing chosen uses is an error, not ignored,
+and a policy or remedy *object* carries its own arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from lightning_stale import metrics, policies, remedies
+from lightning_stale.policies import ResetPolicy, check_band, check_min_interval, check_s0
+from lightning_stale.remedies import Remedy
+from lightning_stale.vocab import check_choice, check_flag, check_int, check_moments, invalid
+
+TRACK_MODES = ("sample", "exact")
+V_RESETS = ("bounded", "exact-unbounded")
+POLICY_ARGUMENTS = ("every", "s0", "min_interval", "moments", "drift_band")  # configure a shortcut policy or remedy
+_VALIDATORS = {"s0": check_s0, "min_interval": check_min_interval, "drift_band": check_band, "moments": check_moments}
+
+
+@dataclass(frozen=True)
+class MonitorOptions:
+    """The options of :class:`~lightning_stale.monitor.StaleStateMonitor` and its front-ends (see the monitor for
+    their meaning). ``None`` for a policy argument means the policy's own default; ``policy`` and ``remedy_rule``
+    are the objects built from ``reset`` and ``remedy``."""
+
+    reset: str | ResetPolicy | None = None
+    every: int | None = None
+    s0: float | None = None
+    min_interval: int | None = None
+    moments: Sequence[str] | None = None
+    track: str = "sample"
+    sample_size: int = 512
+    params_per_step: int = 4
+    track_every: int = 1
+    log_per_param: bool = False
+    log_key_prefix: str = metrics.DEFAULT_PREFIX
+    strict: bool = True
+    seed: int = 0
+    underflow_guard: bool = False
+    warmup_steps: int = 0
+    v_reset: str = "bounded"
+    remedy: str | Remedy | None = None
+    drift_band: float | None = None
+    policy: ResetPolicy | None = field(init=False, repr=False, compare=False)
+    remedy_rule: Remedy | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_choice("track", self.track, TRACK_MODES)
+        for name in ("sample_size", "params_per_step", "track_every"):
+            check_int(name, getattr(self, name))
+        if not isinstance(self.log_key_prefix, str) or not self.log_key_prefix:
+            raise invalid("log_key_prefix", "a non-empty string", self.log_key_prefix)
+        for name in ("log_per_param", "strict", "underflow_guard"):
+            check_flag(name, getattr(self, name))
+        check_int("warmup_steps", self.warmup_steps, minimum=0, unit="0 disables the post-reset warm-up")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise invalid("seed", "an int", self.seed)
+        check_choice("v_reset", self.v_reset, V_RESETS)
+        given = {name: getattr(self, name) for name in POLICY_ARGUMENTS if getattr(self, name) is not None}
+        for name, value in given.items():  # a bad value fails here, even where it would go unused
+            if name in _VALIDATORS:
+                given[name] = _VALIDATORS[name](value)
+        remedy, used_by_remedy = remedies.make_remedy(self.remedy, given)
+        if self.remedy is not None and self.reset is not None:
+            raise ValueError(f"remedy={self.remedy!r} chooses the resets itself (by drift); drop `reset` "
+                             f"(got reset={self.reset!r}) or set remedy=None")
+        policy, used_by_policy = policies.make_policy(self.reset, given)
+        for name in given:
+            if name not in used_by_policy | used_by_remedy:
+                raise _unused(name, self.reset, self.remedy)
+        object.__setattr__(self, "policy", policy)
+        object.__setattr__(self, "remedy_rule", remedy)
+
+    @classmethod
+    def from_arguments(cls, owner: str, arguments: dict[str, Any]) -> MonitorOptions:
+        """Options from a front-end's keyword arguments; an unknown keyword is reported as ``owner``'s."""
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(arguments) - known)
+        if unknown:
+            raise TypeError(f"{owner} got an unexpected keyword argument {unknown[0]!r}; its options are "
+                            + ", ".join(f.name for f in fields(cls) if f.init))
+        return cls(**arguments)
+
+
+def _unused(name: str, reset: object, remedy: object) -> ValueError:
+    """The error for a policy argument that neither the chosen policy nor the remedy takes."""
+    for chosen in (reset, remedy):
+        if isinstance(chosen, (ResetPolicy, Remedy)):
+            return ValueError(f"`{name}` configures the reset and remedy shortcuts, not {type(chosen).__name__}: "
+                              f"pass it to the object's constructor instead")
+    users = [f"reset={short!r}" for short, (_, taken) in policies.SHORTCUTS.items() if name in taken]
+    users += [f"remedy={short!r}" for short, (_, taken) in remedies.SHORTCUTS.items() if name in taken]
+    return ValueError(f"`{name}` is only used with {' or '.join(users)}; pass one of them or drop `{name}`")

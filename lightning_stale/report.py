@@ -1,0 +1,43 @@
+"""The fit-start report: what the monitor found on one optimizer (family, state formats, tracking, policy, periods),
+built from values the monitor already has; formatting only, no collective."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from lightning_stale.adapters.protocol import OptimizerAdapter
+from lightning_stale.engine import StallEngine
+from lightning_stale.policies import ResetPolicy
+from lightning_stale.remedies import Remedy
+from lightning_stale.schedule import ResetSchedule
+
+
+def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: ResetSchedule, pending: set[int],
+                     policy: ResetPolicy | None, remedy: Remedy | None, track_every: int, mixed: list[str]) -> str:
+    """Formats (parameters and elements each), tracking, periods, and ``mixed``: the parameters whose low-precision
+    state fell back to fp32 on some ranks only (optimizers apply their size threshold to the local shard)."""
+    params: Counter[str] = Counter()
+    elements: Counter[str] = Counter()
+    periods: Counter[str] = Counter()
+    for unit in schedule.units:
+        for slot in unit.slots:
+            params[f"{slot.moment} {slot.format} (beta={slot.beta})"] += 1
+            elements[f"{slot.moment} {slot.format} (beta={slot.beta})"] += slot.numel
+        if policy is not None and unit.position not in pending and unit.period_source:
+            periods[f"{unit.period} ({unit.period_source})"] += 1
+    remedy_text = f"; remedy: {remedy!r}" if remedy is not None else ""
+    tracking = "exact" if engine.exact else (f"sample ({engine.sample_size} elements, "
+                                            f"{len(engine.cohorts[0]) if engine.cohorts else 0} parameters per step)")
+    lines = [f"[lightning_stale] {adapter.describe()}; policy: {policy!r}{remedy_text}; tracking: {tracking} every "
+             f"{track_every} step(s)",
+             "[lightning_stale] state formats (parameters, elements on this rank): "
+             + ", ".join(f"{k} x{params[k]} ({elements[k]:,})" for k in params)]
+    if mixed:
+        lines.append(f"[lightning_stale] {len(mixed)} parameter(s) have low-precision states on some ranks and fp32 on "
+                     f"others (the optimizer's size threshold applies to local shards): "
+                     + ", ".join(mixed[:5]) + (" ..." if len(mixed) > 5 else ""))
+    if periods:
+        lines.append("[lightning_stale] reset periods: " + ", ".join(f"{k} x{n}" for k, n in periods.items()))
+    if pending:
+        lines.append(f"[lightning_stale] {len(pending)} parameter(s) get their rho-hat at their first measurement")
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""Versions of the monitor's saved state: the version written now, and the upgrade of the earlier ones it reads.
+
+Version 3 keeps each component's part under its own key per optimizer (``engine``, ``forecast``, ``schedule``,
+``interventions``); version 2 (lightning_stale 0.1 before the components) kept the prediction sums inside the
+engine's rows and the reset counters at the top level.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STATE_VERSION = 3
+OLDEST_VERSION = 2
+
+
+def upgrade(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` in the current layout; ValueError for a state this version cannot read (newer, or not a monitor's)."""
+    version = state.get("version") if isinstance(state, dict) else None
+    if not isinstance(version, int) or "optimizers" not in state:
+        raise ValueError("the saved state is not a lightning_stale monitor's (it has no 'version' and 'optimizers'); "
+                         "drop it or pass the state saved from StaleStateMonitor.state_dict()")
+    if version > STATE_VERSION:
+        raise ValueError(f"the saved monitor state has version {version}, newer than this lightning_stale reads "
+                         f"({STATE_VERSION}): upgrade lightning_stale to resume with it, or drop the saved monitor "
+                         "state")
+    if version < OLDEST_VERSION:
+        raise ValueError(f"the saved monitor state has version {version}, older than this lightning_stale reads "
+                         f"({OLDEST_VERSION} to {STATE_VERSION}): drop the saved monitor state to resume")
+    return state if version == STATE_VERSION else _from_v2(state)
+
+
+def _from_v2(state: dict[str, Any]) -> dict[str, Any]:
+    optimizers = []
+    for i, saved in enumerate(state["optimizers"]):
+        engine, rows = saved["engine"], saved["engine"]["totals"]  # rows: "host" = [measured, prediction sum, count]
+        first = i == 0  # version 2 counted resets for the whole monitor: the first optimizer carries them
+        optimizers.append({
+            "steps": saved["steps"],
+            "engine": {"cursor": engine["cursor"], "shadows": engine["shadows"],
+                       "totals": {key: {"totals": row["totals"], "measured": row["host"][0]} for key, row in rows.items()}},
+            "forecast": {"window": {key: list(row["host"][1:3]) for key, row in rows.items()}},
+            "schedule": saved["schedule"],
+            "interventions": {"resets": state.get("reset_events", 0) if first else 0,
+                              "remedy_resets": state.get("remedy_resets", 0) if first else 0},
+        })
+    kept = {key: value for key, value in state.items() if key not in ("reset_events", "remedy_resets", "optimizers")}
+    return {**kept, "version": STATE_VERSION, "optimizers": optimizers}
