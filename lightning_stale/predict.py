@@ -64,6 +64,13 @@ def rho_from_sums(inverse_sum: float, n: int, beta: float) -> float:
     return bucket(theory.rho_from_relative_spacing(n / inverse_sum, beta))
 
 
+def estimate_rho(slot: Slot, key: str) -> float | None:
+    """The grid estimate of one slot's rho-hat from its stored values (bucketed), None while it cannot be made: the
+    estimator the live monitor uses, for readers of saved states (``lightning-stale inspect``)."""
+    sums = estimate_sums(slot, key)
+    return None if sums is None or slot.beta is None else rho_from_sums(*sums, slot.beta)
+
+
 def bucket(rho: float) -> float:
     """``rho`` rounded to the nearest point of a geometric grid of ratio ``1 + RHO_BUCKET``."""
     step = math.log1p(RHO_BUCKET)
