@@ -75,7 +75,8 @@ def run(job: tuple[str, str, str, int | None, int, int, float, str]) -> tuple[st
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    from lightning_stale.demo.runner import CONFIGS, DemoSettings, prepare_corpus, train_config
+    from lightning_stale.demo.configs import CONFIGS, DemoSettings
+    from lightning_stale.demo.training import prepare_corpus, train_config
 
     settings = DemoSettings(steps=steps, seed=seed, lr=lr, progress_bar=False)
     config = replace(CONFIGS["fp4"], name=name.replace(" ", "-").replace("/", "-"), state_format=state_format,

@@ -35,8 +35,9 @@ from dataclasses import asdict, replace
 from multiprocessing import get_context
 from pathlib import Path
 
+from lightning_stale.demo.configs import CONFIGS, DemoSettings
 from lightning_stale.demo.model import DecoderConfig
-from lightning_stale.demo.runner import CONFIGS, DemoSettings, prepare_corpus, train_config
+from lightning_stale.demo.training import prepare_corpus, train_config
 
 COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit")
 ROWS = ("nearest", "stochastic", "guard", "theory", "adaptive", "periodic", "drift", "auto")

@@ -12,17 +12,12 @@ import pytest
 import torch
 
 from lightning_stale.commands import demo as demo_command
+from lightning_stale.demo.configs import CONFIGS, DEFAULT_CONFIGS, DemoSettings, resolve_configs
 from lightning_stale.demo.data import ByteCorpus, load_corpus, stdlib_source_files
 from lightning_stale.demo.model import Decoder, DecoderConfig, LanguageModel, OptimizerSpec, warmup_cosine
-from lightning_stale.demo.runner import (
-    CONFIGS,
-    DEFAULT_CONFIGS,
-    DemoSettings,
-    optimizer_state_bytes,
-    recovered_share,
-    resolve_configs,
-    run_demo,
-)
+from lightning_stale.demo.report import recovered_share
+from lightning_stale.demo.runner import run_demo
+from lightning_stale.demo.training import optimizer_state_bytes
 
 TINY = DecoderConfig(dim=32, n_layers=1, n_heads=2, hidden=64, context=16)
 
@@ -66,12 +61,12 @@ def test_loss_decreases_on_a_tiny_batch() -> None:
     module = LanguageModel(TINY, OptimizerSpec(lr=1e-2), total_steps=30)
     optimizer = module.configure_optimizers()["optimizer"]
     batch = (torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16)))
-    first = module._loss(batch).item()
+    first = module.loss(batch).item()
     for _ in range(30):
         optimizer.zero_grad()
-        module._loss(batch).backward()
+        module.loss(batch).backward()
         optimizer.step()
-    assert module._loss(batch).item() < first - 1.0
+    assert module.loss(batch).item() < first - 1.0
 
 
 def test_warmup_cosine_schedule() -> None:

@@ -7,7 +7,7 @@ import argparse
 HELP = ("Train a small LM with fp32 and low-precision optimizer states, with and without remedies (resets, the "
         "automatic remedy), two configurations at a time, and compare loss and stall, drift and underflow signals.")
 
-# Kept in sync with lightning_stale.demo.runner (checked by the tests) so that --help needs no torch import.
+# Kept in sync with lightning_stale.demo.configs (checked by the tests) so that --help needs no torch import.
 DEFAULT_CONFIGS = "fp32,fp8,fp8+reset,fp8+auto"
 _REMEDY_SUFFIXES = ("", "+reset", "+adaptive", "+periodic", "+drift", "+guard", "+auto")
 AVAILABLE_CONFIGS = ", ".join(
@@ -51,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from lightning_stale.demo.runner import DemoSettings, format_table, prepare_corpus, resolve_configs, run_demo
+    from lightning_stale.demo.configs import DemoSettings, resolve_configs
+    from lightning_stale.demo.report import format_table
+    from lightning_stale.demo.runner import run_demo
+    from lightning_stale.demo.training import prepare_corpus
 
     try:
         configs = resolve_configs(args.configs)

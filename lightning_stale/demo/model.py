@@ -228,18 +228,19 @@ class LanguageModel(pl.LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Mean next-byte cross-entropy of one (inputs, targets) batch."""
         inputs, targets = batch
         logits = self.model(inputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        loss = self.loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.log("val/loss", self._loss(batch), prog_bar=True)
+        self.log("val/loss", self.loss(batch), prog_bar=True)
 
     def configure_optimizers(self):  # noqa: ANN201 (Lightning's optimizer/scheduler dict)
         optimizer = self.optimizer_spec.build(list(self.parameters()))

@@ -1,0 +1,147 @@
+"""The demo's configuration catalogue (an optimizer's state format and rounding plus a remedy) and its settings.
+
+What the command line and the benchmarks choose from; training and the report only read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from lightning_stale.demo.data import DEFAULT_MAX_BYTES
+from lightning_stale.demo.model import DecoderConfig, OptimizerSpec
+from lightning_stale.vocab import check_int
+
+FP32_CONTROL_PERIOD = 300  # the paper's fp8 reset period
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One demo configuration: how the optimizer stores its states and what remedy the callback applies.
+
+    ``reset``, ``every``, ``underflow_guard`` and ``remedy`` are passed to :class:`~lightning_stale.StaleStateCallback`;
+    ``baseline`` names the configuration without a remedy (nearest rounding) that a variant is compared with.
+    """
+
+    name: str
+    kind: str
+    state_format: str = "fp32"
+    rounding: str = "nearest"
+    reset: str | None = None
+    every: int | None = None
+    baseline: str | None = None
+    description: str = ""
+    underflow_guard: bool = False
+    remedy: str | None = None
+
+    def optimizer_spec(self, settings: DemoSettings) -> OptimizerSpec:
+        """The optimizer this configuration trains with, at the settings' hyper-parameters."""
+        return OptimizerSpec(
+            kind=self.kind,
+            state_format=self.state_format,
+            rounding=self.rounding,
+            lr=settings.lr,
+            betas=(0.9, settings.beta2),
+            eps=settings.eps,
+            weight_decay=settings.weight_decay,
+            min_quantized_size=settings.min_quantized_size,
+        )
+
+
+STORAGES = {  # name: (optimizer kind, state format, words)
+    "fp32": ("adamw", "fp32", "torch AdamW, fp32 states"),
+    "bnb8bit": ("bnb_adamw8bit", "fp32", "bitsandbytes AdamW8bit (block-wise 8-bit states)"),
+    "bf16": ("quantized", "bf16", "QuantizedAdamW, bf16 states"),
+    "fp8": ("quantized", "fp8_e4m3", "QuantizedAdamW, fp8 E4M3 states (per-tensor scale)"),
+    "fp4": ("quantized", "fp4", "QuantizedAdamW, fp4 states (block 128)"),
+    "int8": ("quantized", "int8_dynamic", "QuantizedAdamW, int8 dynamic-map states"),
+}
+REMEDY_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words)
+    "": ({}, ""),
+    "+reset": ({"reset": "theory"}, ", theory-period resets"),
+    "+adaptive": ({"reset": "adaptive"}, ", adaptive resets"),
+    "+periodic": ({"reset": "periodic", "every": FP32_CONTROL_PERIOD}, f", resets every {FP32_CONTROL_PERIOD} steps"),
+    "+drift": ({"reset": "drift"}, ", drift-band resets"),
+    "+guard": ({"underflow_guard": True}, ", underflow guard"),
+    "+auto": ({"remedy": "auto"}, ", automatic remedy"),
+}
+
+
+def _build_configs() -> dict[str, RunConfig]:
+    """Name every (storage, rounding, remedy) combination: ``<storage>[-sr][<remedy suffix>]``."""
+    configs = {}
+    for storage, (kind, state_format, words) in STORAGES.items():
+        if storage == "fp32":
+            configs[storage] = RunConfig(storage, kind, description=words)
+            continue
+        roundings = ["nearest"] if kind != "quantized" else ["nearest", "stochastic"]
+        for rounding in roundings:
+            for suffix, (arguments, remedy_words) in REMEDY_SUFFIXES.items():
+                name = storage + ("-sr" if rounding == "stochastic" else "") + suffix
+                text = words + (", stochastic rounding" if rounding == "stochastic" else "") + remedy_words
+                baseline = None if name == storage else storage
+                configs[name] = RunConfig(name, kind, state_format, rounding, baseline=baseline, description=text,
+                                          **arguments)
+    # fp32 states never stall, so the theory gives them no period: the control resets at the fp8 period instead,
+    # as the paper's fp32 control used the bf16 period.
+    configs["fp32+reset"] = RunConfig(
+        "fp32+reset", "adamw", reset="periodic", every=FP32_CONTROL_PERIOD, baseline="fp32",
+        description=f"torch AdamW, fp32 states, periodic resets every {FP32_CONTROL_PERIOD} steps (control)",
+    )
+    return configs
+
+
+CONFIGS: dict[str, RunConfig] = _build_configs()
+DEFAULT_CONFIGS = ("fp32", "fp8", "fp8+reset", "fp8+auto")
+
+
+def resolve_configs(names: str | Sequence[str]) -> list[RunConfig]:
+    """Look up configurations by name (a comma-separated string or a list); unknown names raise ValueError."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if not names:
+        raise ValueError("configs must name at least one configuration")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configs {unknown}; available: {', '.join(CONFIGS)}")
+    return [CONFIGS[n] for n in dict.fromkeys(names)]
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Everything shared by the runs of one comparison (model, data, schedule, logging)."""
+
+    steps: int = 400
+    seed: int = 0
+    batch_size: int = 16
+    model: DecoderConfig = field(default_factory=DecoderConfig)
+    lr: float = 4e-3  # twice fp32's best for the default model: where per-tensor fp8 states lose loss (BENCHMARKS.md)
+    beta2: float = 0.999
+    eps: float = 1e-6
+    weight_decay: float = 0.0
+    min_quantized_size: int = 128
+    evaluations: int = 6
+    val_batches: int = 20
+    log_every: int = 10
+    data: str | None = None
+    max_bytes: int = DEFAULT_MAX_BYTES
+    progress_bar: bool = True
+    threads: int | None = 1  # torch threads per run: one is fastest for this model on a busy or 2-core machine
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "evaluations", "val_batches", "log_every", "max_bytes"):
+            check_int(name, getattr(self, name))
+        if self.threads is not None:
+            check_int("threads", self.threads)
+
+
+__all__ = [
+    "CONFIGS",
+    "DEFAULT_CONFIGS",
+    "FP32_CONTROL_PERIOD",
+    "REMEDY_SUFFIXES",
+    "STORAGES",
+    "DemoSettings",
+    "RunConfig",
+    "resolve_configs",
+]

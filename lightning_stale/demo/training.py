@@ -1,0 +1,206 @@
+"""Train one demo configuration with the stale-state callback attached and collect what it measured.
+
+Shared by ``lightning-stale demo`` and the benchmarks (``benchmarks/recovery.py``, ``benchmarks/moment_formats.py``):
+:func:`train_config` turns a :class:`~lightning_stale.demo.configs.RunConfig` into a :class:`RunResult`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib.util
+import logging
+import math
+import shutil
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lightning_stale import metrics
+from lightning_stale.demo.configs import DemoSettings, RunConfig
+from lightning_stale.demo.data import ByteCorpus, load_corpus
+from lightning_stale.demo.model import LanguageModel
+from lightning_stale.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
+
+STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabulates and plots
+    "v_frac": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.FRAC),
+    "v_predicted": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.PREDICTED),
+    "v_drift": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.DRIFT),
+    "v_underflow": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.UNDERFLOW_KEY),
+    "m_frac": metrics.key(metrics.DEFAULT_PREFIX, "m", metrics.FRAC),
+    "resets": metrics.key(metrics.DEFAULT_PREFIX, metrics.RESETS),
+    "remedy_guard": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[GUARD]),
+    "remedy_stochastic": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[STOCHASTIC]),
+    "remedy_reset": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[RESET]),
+}
+
+
+@dataclass
+class RunResult:
+    """What one training run produced: final validation loss, state memory, stall metrics and their curves."""
+
+    name: str
+    seed: int
+    val_loss: float
+    state_bytes_per_param: float
+    seconds: float
+    log_dir: str
+    v_frac: float = math.nan
+    v_predicted: float = math.nan
+    v_drift: float = math.nan
+    v_underflow: float = math.nan
+    resets: float = math.nan
+    remedy_guard: float = math.nan
+    remedy_stochastic: float = math.nan
+    remedy_reset: float = math.nan
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's state tensors (each storage counted once, e.g. a shared quantization map)."""
+    seen, total = set(), 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.numel() and value.data_ptr() not in seen:
+                seen.add(value.data_ptr())
+                total += value.numel() * value.element_size()
+    return total
+
+
+def read_metric_curves(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every column of a CSVLogger ``metrics.csv`` as a list of (step, value), empty cells skipped."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    with metrics_csv.open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            step = int(row["step"])
+            for key, value in row.items():
+                if key not in ("step", "epoch") and value not in ("", None):
+                    curves.setdefault(key, []).append((step, float(value)))
+    return curves
+
+
+@torch.no_grad()
+def evaluate(model: LanguageModel, loader: torch.utils.data.DataLoader) -> float:
+    """Mean next-byte cross-entropy over the loader's batches."""
+    model.eval()
+    losses = [model.loss(batch).item() for batch in loader]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Hide Lightning's per-run info lines and the few-workers warning, which repeat for every configuration."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            warnings.filterwarnings("ignore", message=".*is smaller than the logging interval.*")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _progress_bar(title: str):  # noqa: ANN202 (a Lightning callback)
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    class TitledBar(TQDMProgressBar):
+        """Lightning's bar, labelled with the configuration name instead of the epoch number."""
+
+        def on_train_epoch_start(self, trainer, *args) -> None:  # noqa: ANN001
+            super().on_train_epoch_start(trainer, *args)
+            self.train_progress_bar.set_description(title)
+
+    return TitledBar()
+
+
+def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, log_root: Path,
+                 extra_callbacks: Sequence[object] = ()) -> RunResult:
+    """Train one configuration from the settings' seed, with the stale-state callback attached, and collect results.
+
+    The callback only monitors when ``config.reset`` is None, so stall metrics exist for every configuration.
+    ``extra_callbacks`` (Lightning callbacks) join it, e.g. a benchmark's experimental intervention.
+    """
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from lightning_stale import StaleStateCallback
+
+    pl.seed_everything(settings.seed, verbose=False)
+    model = LanguageModel(settings.model, config.optimizer_spec(settings), total_steps=settings.steps)
+    version = f"seed{settings.seed}"
+    shutil.rmtree(Path(log_root) / config.name / version, ignore_errors=True)  # a rerun replaces its old logs
+    loggers = [CSVLogger(log_root, name=config.name, version=version)]
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        loggers.append(TensorBoardLogger(log_root, name=config.name, version=version))
+    callbacks = [StaleStateCallback(reset=config.reset, every=config.every, underflow_guard=config.underflow_guard,
+                                    remedy=config.remedy), *extra_callbacks]
+    if settings.progress_bar:
+        callbacks.append(_progress_bar(config.name))
+    train_loader = corpus.train_loader(settings.steps, settings.batch_size, settings.seed)
+    val_loader = corpus.val_loader(settings.val_batches, settings.batch_size, settings.seed)
+    with quiet_lightning():
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=settings.steps,
+            logger=loggers,
+            callbacks=callbacks,
+            log_every_n_steps=settings.log_every,
+            gradient_clip_val=1.0,
+            val_check_interval=max(1, settings.steps // settings.evaluations),
+            num_sanity_val_steps=0,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=settings.progress_bar,
+        )
+        start = time.perf_counter()
+        trainer.fit(model, train_loader, val_loader)
+    seconds = time.perf_counter() - start
+    val_loss = evaluate(model, val_loader)
+    n_params = sum(p.numel() for p in model.parameters())
+    curves = read_metric_curves(Path(loggers[0].log_dir) / "metrics.csv")
+    val_curve = curves.setdefault("val/loss", [])
+    if not val_curve or val_curve[-1][0] < settings.steps:
+        val_curve.append((settings.steps, val_loss))
+    result = RunResult(
+        name=config.name,
+        seed=settings.seed,
+        val_loss=val_loss,
+        state_bytes_per_param=optimizer_state_bytes(trainer.optimizers[0]) / n_params,
+        seconds=seconds,
+        log_dir=loggers[0].log_dir,
+        curves=curves,
+    )
+    for attr in ("v_frac", "v_predicted", "v_underflow"):
+        points = curves.get(STALL_KEYS[attr], [])
+        if points:
+            setattr(result, attr, sum(v for _, v in points) / len(points))
+    for attr in ("v_drift", "resets", "remedy_guard", "remedy_stochastic", "remedy_reset"):
+        points = curves.get(STALL_KEYS[attr], [])
+        if points:
+            setattr(result, attr, points[-1][1])
+    return result
+
+
+def prepare_corpus(settings: DemoSettings) -> ByteCorpus:
+    """Load and split the settings' corpus; FileNotFoundError / ValueError for a missing path or too little text."""
+    return ByteCorpus(load_corpus(settings.data, settings.max_bytes), settings.model.context)
+
+
+__all__ = [
+    "STALL_KEYS",
+    "RunResult",
+    "evaluate",
+    "optimizer_state_bytes",
+    "prepare_corpus",
+    "quiet_lightning",
+    "read_metric_curves",
+    "train_config",
+]
