@@ -82,6 +82,28 @@ def find_fabric(strategy: object = None) -> object | None:
     return None
 
 
+def fabric_strategy_stepping(optimizer: Any, callback: object) -> Any | None:
+    """The strategy of the Fabric optimizer wrapper (``_FabricOptimizer``) that is stepping ``optimizer`` now, found on
+    the call stack, when ``callback`` is one of its callbacks; None otherwise (another Fabric's or no Fabric's
+    optimizer, or a Fabric whose wrapper moved: the callback then attaches after the first step)."""
+    import inspect
+
+    try:
+        from lightning.fabric.wrappers import _FabricOptimizer
+    except ImportError:  # pragma: no cover - Lightning is a dependency
+        return None
+    frame = inspect.currentframe()
+    for _ in range(32):  # the wrapper's step is a few frames above torch's pre-step hooks
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return None
+        wrapper = frame.f_locals.get("self")
+        if isinstance(wrapper, _FabricOptimizer) and getattr(wrapper, "optimizer", None) is optimizer:
+            callbacks = getattr(wrapper, "_callbacks", None) or []
+            return getattr(wrapper, "_strategy", None) if any(c is callback for c in callbacks) else None
+    return None
+
+
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
@@ -149,3 +171,13 @@ def compiler_available() -> bool:
     """Whether a C++ compiler for Inductor's CPU backend is on PATH (torch.compile on CPU needs one)."""
     candidates = [inductor_cxx(), "g++", "c++", "clang++"]
     return any(name and shutil.which(name) for name in candidates)
+
+
+def hf_exportable_state() -> type:
+    """transformers' ``ExportableState`` (callbacks whose ``state()`` is saved in ``trainer_state.json``), or a plain
+    base class on versions without it (their checkpoints then carry no callback state)."""
+    try:
+        from transformers.trainer_callback import ExportableState
+    except ImportError:  # pragma: no cover - transformers < 4.41
+        return type("ExportableState", (), {})
+    return ExportableState

@@ -1,11 +1,16 @@
 """The Lightning Fabric front-end (LitGPT and other hand-written Fabric loops) of the monitor.
 
 Fabric calls a callback's ``on_after_optimizer_step(strategy, optimizer)`` from every wrapped optimizer's ``step()``
-without any change to the loop, so this callback attaches a :class:`~lightning_stale.monitor.StaleStateMonitor` to
-each optimizer at its first step, logs one row every ``log_every_n_steps`` optimizer steps through
-``fabric.log_dict`` (sums across processes through the strategy), and resets on the monitor's policy. Pass it as
-``Fabric(callbacks=[StaleStateFabricCallback()])``, or set ``LIGHTNING_STALE`` (see :mod:`lightning_stale.factory`)
-for zero-code activation. Add the callback to what ``fabric.save`` stores to resume its state.
+but has no hook before a step, so this callback watches torch's global optimizer pre-step hook for the first step of
+each optimizer its Fabric wraps and attaches a :class:`~lightning_stale.monitor.StaleStateMonitor` there (that step is
+measured, and a monitor restored from a checkpoint counts it). It logs one row every ``log_every_n_steps`` optimizer
+steps through ``fabric.log_dict`` (sums across processes through the strategy), and resets on the monitor's policy.
+Pass it as ``Fabric(callbacks=[StaleStateFabricCallback()])``, or set ``LIGHTNING_STALE`` (see
+:mod:`lightning_stale.factory`) for zero-code activation. Add the callback to what ``fabric.save`` stores, and to what
+``fabric.load`` restores, to resume its state::
+
+    fabric.save(path, {"model": model, "optimizer": optimizer, "stale": callback})
+    fabric.load(path, {"model": model, "optimizer": optimizer, "stale": callback})
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_stale import _compat
 from lightning_stale.adapters import unwrap
@@ -41,6 +47,9 @@ class StaleStateFabricCallback:
         self.steps = 0  # optimizer steps of the first optimizer (the logging clock)
         self._fabric = weakref.ref(fabric) if fabric is not None else None
         self._pending: list[dict[str, Any]] | None = None
+        self._foreign: weakref.WeakSet = weakref.WeakSet()  # optimizers stepped outside this callback's Fabric
+        self._pre_step = register_optimizer_step_pre_hook(_first_step_hook(weakref.ref(self)))
+        weakref.finalize(self, self._pre_step.remove)
 
     @property
     def fabric(self) -> Any:
@@ -49,8 +58,8 @@ class StaleStateFabricCallback:
     def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:
         raw = unwrap(optimizer)
         monitor = self.monitors.get(id(raw))
-        if monitor is None:
-            monitor = self._attach(strategy, raw)  # after this optimizer's first step, which had nothing to compare
+        if monitor is None:  # not seen before its first step (Fabric's wrapper was not found): this step is missed
+            monitor = self._attach(strategy, raw, steps_taken=1)
         if monitor is not next(iter(self.monitors.values())):
             return
         self.steps += 1
@@ -77,12 +86,21 @@ class StaleStateFabricCallback:
         self.steps = int(state.get("steps", 0))
         self._pending = list(state.get("monitors", []))
 
-    def _attach(self, strategy: Any, optimizer: torch.optim.Optimizer) -> StaleStateMonitor:
+    def _before_first_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch's global pre-step hook: attach to an optimizer of this callback's Fabric before its first step."""
+        if id(optimizer) in self.monitors or optimizer in self._foreign:
+            return
+        strategy = _compat.fabric_strategy_stepping(optimizer, self)
+        if strategy is None:
+            self._foreign.add(optimizer)
+        else:  # the monitor's own hooks, registered now, run from this very step on
+            self._attach(strategy, optimizer, steps_taken=0)
+
+    def _attach(self, strategy: Any, optimizer: torch.optim.Optimizer, steps_taken: int) -> StaleStateMonitor:
         reduce = functools.partial(_all_reduce_sum, strategy) if getattr(strategy, "world_size", 1) > 1 else None
         fabric = self.fabric or self._find(strategy)
         module = getattr(strategy, "model", None) if fabric is None else None
-        # Fabric has no hook before the first optimizer step: the monitor attaches after it, so it starts at 1.
-        monitor = StaleStateMonitor(optimizer, options=self.options, reduce=reduce, steps_taken=1,
+        monitor = StaleStateMonitor(optimizer, options=self.options, reduce=reduce, steps_taken=steps_taken,
                                     coverage_steps=max(1, self.log_every_n_steps or 50), names=module)
         if self._pending:
             monitor.load_state_dict(self._pending.pop(0))
@@ -97,8 +115,20 @@ class StaleStateFabricCallback:
 
     def teardown(self) -> None:
         """Detach from every optimizer."""
+        self._pre_step.remove()
         for monitor in self.monitors.values():
             monitor.close()
+
+
+def _first_step_hook(callback: weakref.ref) -> Any:
+    """The global pre-step hook of a callback, holding it weakly (an unused callback is not kept alive by torch)."""
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        owner = callback()
+        if owner is not None:
+            owner._before_first_step(optimizer)
+
+    return hook
 
 
 def _all_reduce_sum(strategy: Any, tensor: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 STATE_VERSION = 3
 OLDEST_VERSION = 2
 
@@ -45,3 +47,27 @@ def _from_v2(state: dict[str, Any]) -> dict[str, Any]:
         })
     kept = {key: value for key, value in state.items() if key not in ("reset_events", "remedy_resets", "optimizers")}
     return {**kept, "version": STATE_VERSION, "optimizers": optimizers}
+
+
+def to_json(state: Any) -> Any:
+    """``state`` with every tensor as ``{"tensor": values, "dtype": name, "shape": dims}``: what a JSON file can hold
+    (Hugging Face keeps callback states in ``trainer_state.json``); floats round-trip exactly."""
+    if isinstance(state, torch.Tensor):
+        return {"tensor": state.detach().cpu().reshape(-1).tolist(), "dtype": str(state.dtype).removeprefix("torch."),
+                "shape": list(state.shape)}
+    if isinstance(state, dict):
+        return {key: to_json(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return [to_json(value) for value in state]
+    return state
+
+
+def from_json(state: Any) -> Any:
+    """The inverse of :func:`to_json`."""
+    if isinstance(state, dict):
+        if set(state) == {"tensor", "dtype", "shape"}:
+            return torch.tensor(state["tensor"], dtype=getattr(torch, state["dtype"])).reshape(state["shape"])
+        return {key: from_json(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [from_json(value) for value in state]
+    return state

@@ -1,0 +1,72 @@
+"""A Fabric loop with StaleStateFabricCallback that saves with ``fabric.save`` and continues, or loads and continues;
+writes its weights, reset steps and logged rows. Run as a fresh process for each part:
+
+    python tests/fabric_resume_worker.py OUT_DIR full        # steps 1..TOTAL, saves at SAVE_AT
+    python tests/fabric_resume_worker.py OUT_DIR resumed     # loads OUT_DIR/ckpt (from `full`), steps SAVE_AT+1..TOTAL
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import bitsandbytes as bnb
+import lightning as L
+import torch
+from lightning.fabric.loggers import Logger
+from torch import nn
+
+from lightning_stale.fabric import StaleStateFabricCallback
+
+SAVE_AT, TOTAL, LOG_EVERY = 30, 45, 5
+
+
+class Rows(Logger):
+    """Keeps what ``fabric.log_dict`` sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict] = []
+
+    name = "rows"
+    version = 0
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        self.rows.append({"step": step, **metrics})
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def main(out: Path, part: str) -> None:
+    callback = StaleStateFabricCallback(log_every_n_steps=LOG_EVERY, reset="periodic", every=10, warmup_steps=3)
+    logger = Rows()
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[callback], loggers=logger)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8))
+    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=256)
+    model, optimizer = fabric.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer, "stale": callback}
+    start = 0
+    if part == "resumed":
+        fabric.load(out / "ckpt", state)
+        start = SAVE_AT
+    resets: list[int] = []
+    for step in range(start + 1, TOTAL + 1):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 32, generator=g)
+        fabric.backward(nn.functional.mse_loss(model(x), x[:, :8]))
+        optimizer.step()
+        optimizer.zero_grad()
+        if len(callback.monitors) == 1 and not resets and not hasattr(main, "listening"):
+            next(iter(callback.monitors.values())).add_reset_listener(lambda event: resets.append(event.step))
+            main.listening = True
+        if part == "full" and step == SAVE_AT:
+            fabric.save(out / "ckpt", state)
+    torch.save([p.detach().clone() for p in model.parameters()], out / f"{part}_weights.pt")
+    (out / f"{part}.json").write_text(json.dumps({"resets": resets, "rows": logger.rows}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,90 @@
+"""Every front-end resumes from its own checkpoints exactly as the uninterrupted run: the Hugging Face Trainer (through
+its callback-state export) and Lightning Fabric (``fabric.save``/``fabric.load`` in a new process); reset steps,
+logged counters and weights equal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_stale.hf import add_stale_callback  # noqa: E402
+from lightning_stale.optim import QuantizedAdamW  # noqa: E402
+
+STEPS, SAVE_EVERY = 30, 10
+
+
+class Events(transformers.TrainerCallback):
+    """Records the reset steps of the stale-state callback's monitor (added after it, so its monitor exists)."""
+
+    def __init__(self, stale) -> None:
+        self.stale, self.steps = stale, []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stale.monitor.add_reset_listener(lambda event: self.steps.append(event.step))
+
+
+def hf_run(out: Path, kind: str, with_callback: bool = True, resume: str | None = None):
+    """A tiny GPT-2 trained for STEPS steps with checkpoints every SAVE_EVERY; returns (weights, reset steps, rows)."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=96,
+                                                                 n_positions=16))
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 96, (256, 16), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=8, logging_steps=2, report_to=[],
+        use_cpu=True, save_strategy="steps", save_steps=SAVE_EVERY, disable_tqdm=True, seed=0,
+        optim="adamw_bnb_8bit" if kind == "bnb" else "adamw_torch", learning_rate=3e-3)
+    optimizers = (None, None)
+    if kind == "fp8":
+        optimizers = (QuantizedAdamW(model.parameters(), lr=3e-3, state_format="fp8_e4m3", min_quantized_size=256,
+                                     compile=False), None)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
+    events = None
+    if with_callback:
+        options = {"reset": "periodic", "every": 7} if kind == "bnb" else {"remedy": "auto"}
+        stale = add_stale_callback(trainer, **options)
+        events = Events(stale)
+        trainer.add_callback(events)
+    trainer.train(resume_from_checkpoint=resume)
+    rows = [{k: v for k, v in row.items() if k.startswith("stale/")} for row in trainer.state.log_history
+            if "stale/v/frac" in row]
+    return [p.detach().clone() for p in model.parameters()], events.steps if events else None, rows
+
+
+@pytest.mark.parametrize("kind", ["bnb", "fp8"])
+def test_hugging_face_resume_continues_the_callback_exactly(tmp_path, kind):
+    weights, resets, rows = hf_run(tmp_path / "full", kind)
+    assert resets or rows[-1].get("stale/remedy/guard", 0) > 0  # the run has something to resume
+    saved = json.loads((tmp_path / "full" / "checkpoint-20" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["StaleStateHFCallback"]["attributes"]["saved_state"]["version"] == 3
+    plain_weights, _, _ = hf_run(tmp_path / "plain", kind, with_callback=False)
+    for at in (10, 20):
+        checkpoint = str(tmp_path / "full" / f"checkpoint-{at}")
+        resumed_weights, resumed_resets, resumed_rows = hf_run(tmp_path / f"resumed{at}", kind, resume=checkpoint)
+        assert resumed_resets == [s for s in resets if s > at], at  # ResetEvent.step counts the optimizer's steps
+        assert resumed_rows == rows[len(rows) - len(resumed_rows):], at  # every logged number, counters included
+        for ours, theirs in zip(resumed_weights, weights):
+            assert torch.equal(ours, theirs), at
+        plain_resumed, _, _ = hf_run(tmp_path / f"plain{at}", kind, with_callback=False,
+                                     resume=str(tmp_path / "plain" / f"checkpoint-{at}"))
+        assert all(torch.equal(a, b) for a, b in zip(plain_resumed, plain_weights))  # HF's own resume is exact
+
+
+def test_fabric_resume_in_a_new_process_equals_the_uninterrupted_run(tmp_path):
+    worker = Path(__file__).with_name("fabric_resume_worker.py")
+    for part in ("full", "resumed"):
+        subprocess.run([sys.executable, str(worker), str(tmp_path), part], check=True, timeout=300)
+    full = json.loads((tmp_path / "full.json").read_text())
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert full["resets"] == [10, 20, 30, 40]
+    assert resumed["resets"] == [40]  # the optimizer's step count, not the loop's first resumed step
+    assert resumed["rows"] == [row for row in full["rows"] if row["step"] > 30]  # stale/resets included
+    for ours, theirs in zip(torch.load(tmp_path / "resumed_weights.pt"), torch.load(tmp_path / "full_weights.pt")):
+        assert torch.equal(ours, theirs)
