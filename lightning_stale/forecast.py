@@ -1,5 +1,5 @@
-"""The theory's side of one optimizer: each parameter's rho-hat, its stall build-up curve, and the predicted stall of
-every measured second moment, which the metrics set beside the measured one.
+"""The theory's side of one optimizer: each parameter's rho-hat and the predicted stall of every measured second moment,
+which the metrics set beside the measured one.
 
 rho-hat comes from the paper's closed form where the slot's format has one (no data needed); other grids (8-bit
 maps, foreign layouts) take the grid estimate on the stored values at the parameter's first measurement, summed
@@ -25,7 +25,7 @@ ESTIMATE_COLUMNS = 5  # per pending parameter: closed forms, their sum, estimate
 
 
 class StallForecast:
-    """rho-hat, curves and predictions of one optimizer's parameters.
+    """rho-hat and predictions of one optimizer's parameters.
 
     Args:
         collective: agrees grid estimates across ranks.
@@ -37,17 +37,14 @@ class StallForecast:
                  name: Callable[[ResetUnit], str]) -> None:
         self.collective = collective
         self._warn, self._name = warn, name
-        self.curves: list[np.ndarray] = []  # distinct build-up curves in use
-        self.curve_of = np.zeros(0, dtype=np.int64)  # per parameter, -1 for none
         self.pending: set[int] = set()  # parameter positions waiting for a grid estimate
         self.sums = np.zeros((0, 2))  # per slot row: sum and count of this window's predictions
         self._keys: list[str] = []  # the slot key of each row of ``sums``
         self._restored: dict[str, list[float]] = {}
 
     def adopt(self, schedule: ResetSchedule) -> None:
-        """Give every parameter of a freshly synced schedule its rho-hat where the closed form knows it and its
-        curve; mark the parameters that need a grid estimate pending."""
-        self.curve_of = np.full(len(schedule.units), -1, dtype=np.int64)
+        """Give every parameter of a freshly synced schedule its rho-hat where the closed form knows it; mark the
+        parameters that need a grid estimate pending."""
         self.pending = set()
         for unit in schedule.units:
             if unit.rho is None and self.collective.active and unit.period_source == "":
@@ -59,17 +56,6 @@ class StallForecast:
                 schedule.set_rho(unit.position, rho)
             elif needs_estimate and unit.rho is None:
                 self.pending.add(unit.position)
-            self._pick_curve(unit)
-
-    def _pick_curve(self, unit: ResetUnit) -> None:
-        driver = unit.driver()
-        if unit.rho is not None and driver is not None and driver.beta is not None:
-            curve = predict.build_up_curve(unit.rho, driver.beta)
-            ids = [i for i, c in enumerate(self.curves) if c is curve]
-            if not ids:
-                self.curves.append(curve)
-                ids = [len(self.curves) - 1]
-            self.curve_of[unit.position] = ids[0]
 
     def estimate(self, schedule: ResetSchedule, cohort: list[Unit]) -> list[ResetUnit]:
         """Give the pending parameters of the step's ``cohort`` their rho-hat (one host read each, one collective for
@@ -98,24 +84,20 @@ class StallForecast:
             self.pending.discard(unit.position)
             if rho is not None:
                 schedule.set_rho(unit.position, rho)
-            self._pick_curve(unit)
             known.append(unit)
         return known
 
-    def record(self, measured: list[Batch], ages: np.ndarray) -> None:
-        """Add the predicted stall of this step to every measured second moment with a curve (host arrays only;
-        ``ages``: each parameter's updates since its zero start or last reset, before this step's)."""
+    def record(self, measured: list[Batch], schedule: ResetSchedule) -> None:
+        """Add the predicted stall of this step to every measured second moment whose rho-hat is known (host arrays
+        only; the schedule's ages count the updates before this step's)."""
+        rho, beta, ages = schedule.arrays["rho"], schedule.betas, schedule.ages
         for batch in measured:
-            curve_ids = np.where(batch.is_v, self.curve_of[batch.positions], -1)
-            present = curve_ids[curve_ids >= 0]
-            if present.size == 0:
-                continue
-            distinct = [present[0]] if (present == present[0]).all() else np.unique(present)  # usually one curve
-            for curve_id in distinct:
-                chosen = curve_ids == curve_id
-                values = predict.predicted_stall(self.curves[curve_id], ages[batch.positions[chosen]])
-                np.add.at(self.sums[:, 0], batch.global_rows[chosen], values)
-                np.add.at(self.sums[:, 1], batch.global_rows[chosen], 1)
+            rows = batch.is_v & ~np.isnan(rho[batch.positions]) & ~np.isnan(beta[batch.positions])
+            if rows.any():
+                positions = batch.positions[rows]
+                values = predict.predicted_stall(ages[positions], rho[positions], beta[positions])
+                np.add.at(self.sums[:, 0], batch.global_rows[rows], values)
+                np.add.at(self.sums[:, 1], batch.global_rows[rows], 1)
 
     def align(self, entries: dict[str, Entry]) -> None:
         """Follow the engine's new slot rows, carrying each kept slot's sums (and a restored checkpoint's)."""
@@ -138,16 +120,15 @@ class StallForecast:
         return window
 
     def resident_bytes(self) -> int:
-        """Bytes of the host arrays kept between steps (the curves are shared process-wide)."""
-        return self.sums.nbytes + self.curve_of.nbytes
+        """Bytes of the host arrays kept between steps."""
+        return self.sums.nbytes
 
     def state_dict(self) -> dict[str, Any]:
         window = {key: self.sums[i].tolist() for i, key in enumerate(self._keys)}
         return {"window": {**self._restored, **window}}
 
     def load_state_dict(self, state: dict[str, Any], window: bool = True) -> None:
-        """Adopt a checkpoint's unlogged prediction sums (``window``: only where they are this process's); rho-hat,
-        curves and pending estimates are re-derived when the parameters appear."""
+        """Adopt a checkpoint's unlogged prediction sums (``window``: only where they are this process's); pending
+        estimates are re-derived when the parameters appear."""
         self._restored = dict(state.get("window", {})) if window else {}
-        self.sums, self._keys = np.zeros((0, 2)), []
-        self.curves, self.curve_of, self.pending = [], np.zeros(0, dtype=np.int64), set()
+        self.sums, self._keys, self.pending = np.zeros((0, 2)), [], set()

@@ -335,7 +335,7 @@ class StaleStateMonitor:
         self._adopt(t, after_step=True)
         t.interventions.guard()
         if measured:
-            t.forecast.record(measured, t.schedule.ages)
+            t.forecast.record(measured, t.schedule)
         if t.forecast.pending and t.engine.measured_cohort:
             self._configure(t.forecast.estimate(t.schedule, t.engine.measured_cohort))
         t.schedule.advance()

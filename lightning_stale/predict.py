@@ -1,10 +1,10 @@
-"""Theory predictions for slots: rho-hat, the stall build-up curve after a reset and the reset period K*.
+"""Theory predictions for slots: rho-hat, the stall build-up after a reset and the reset period K*.
 
 Float formats (bf16, fp16, fp8, fp4) take the paper's closed form from the format's precision; other grids (the 8-bit
 dynamic map of bitsandbytes/torchao, foreign layouts) take the generalized estimate on a sample of the slot's stored
 values and local spacing (:func:`lightning_stale.theory.estimate_grid`, our extension of the paper). Estimated
-rho-hats are rounded to a 1% bucket so that slots share their curves and periods: a curve is built once per bucket,
-and the step path only indexes them.
+rho-hats are rounded to a 1% bucket so that slots share their periods. The predicted stall is evaluated in closed form
+for the few parameters measured on a step, so nothing grows with the run or the number of distinct rho-hats.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from lightning_stale.sampling import choose_sample
 ESTIMATE_SAMPLE_SIZE = 4096  # stored values a grid estimate looks at
 ESTIMATE_SEED = 0  # rank-independent: every process samples the same positions of its shard
 RHO_BUCKET = 0.01  # relative width of the rho-hat buckets of grid estimates
-MAX_CURVE = 200_000  # build-up curves stop here (20 EMA horizons of b2 = 0.9999)
 
 
 def closed_form_rho(slot: Slot) -> tuple[float | None, str, bool]:
@@ -77,14 +76,7 @@ def bucket(rho: float) -> float:
     return float(math.exp(round(math.log(rho) / step) * step))
 
 
-@lru_cache(maxsize=None)
-def build_up_curve(rho: float, beta: float) -> np.ndarray:
-    """P_stall(j) for j = 0 .. ~20 EMA horizons (paper Eq. 39; flat at its steady state after that)."""
-    horizon = min(int(20 / (1.0 - beta)) + 1, MAX_CURVE)
-    return theory.stall_probability_after(np.arange(horizon), rho, beta)
-
-
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=4096)  # a period per (rho-hat bucket, beta, s0): a few dozen in a run
 def reset_period(rho: float | None, beta: float | None, s0: float) -> tuple[int | None, str]:
     """K* for a slot's rho-hat and beta, or None with the reason when no reset is warranted.
 
@@ -100,7 +92,8 @@ def reset_period(rho: float | None, beta: float | None, s0: float) -> tuple[int 
     return period, "" if period is not None else f"rho-hat {rho:.2f}: no crossing"
 
 
-def predicted_stall(curve: np.ndarray, updates: np.ndarray) -> np.ndarray:
-    """Predicted stall probability of an update applied to states holding ``updates`` updates since their zero start
-    or last reset (0 for the first update after a reset)."""
-    return curve[np.minimum(updates, len(curve) - 1)]
+def predicted_stall(updates: np.ndarray, rho: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """Predicted stall probability (paper Eq. 39, nearest rounding) of an update applied to states holding
+    ``updates`` updates since their zero start or last reset (0 for the first update after a reset), elementwise
+    over the states' rho-hats and betas."""
+    return theory.nearest_stall_after(updates, rho, beta)

@@ -197,13 +197,20 @@ def stall_probability_after(j, rho, beta, rounding="nearest"):
     js = np.asarray(j)
     if js.size and (js.min() < 0 or not np.all(js == np.floor(js))):
         raise ValueError(f"j must be integers >= 0, got {j!r}")
-    phis = torch.from_numpy(np.atleast_1d(-np.expm1(js.astype(np.float64) * math.log(beta))))
     if rounding == "nearest":
-        stalls = _nearest_stall_array(phis, rho)
+        stalls = np.atleast_1d(nearest_stall_after(js, np.float64(rho), np.float64(beta)))
     else:  # the stochastic gate has no cheap array form; curves of it are short-lived (simulator, CLI)
-        stalls = torch.tensor([one(p, rho) if p > 0.0 else 0.0 for p in phis.tolist()], dtype=torch.float64)
-    stalls = torch.where(phis > 0, stalls, torch.zeros_like(stalls)).numpy()
+        phis = np.atleast_1d(-np.expm1(js.astype(np.float64) * math.log(beta)))
+        stalls = np.array([one(p, rho) if p > 0.0 else 0.0 for p in phis.tolist()], dtype=np.float64)
     return float(stalls[0]) if js.ndim == 0 else stalls.reshape(js.shape)
+
+
+def nearest_stall_after(j: np.ndarray, rho: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """:func:`stall_probability_after` (nearest rounding) elementwise over arrays of update counts, rho-hats and betas
+    (broadcast together, not validated): many states of different formats at once, in closed form."""
+    phis = torch.from_numpy(np.asarray(-np.expm1(np.asarray(j, dtype=np.float64) * np.log(beta)), dtype=np.float64))
+    stalls = _nearest_stall_array(phis, torch.from_numpy(np.asarray(rho, dtype=np.float64)))
+    return torch.where(phis > 0, stalls, torch.zeros_like(stalls)).numpy()
 
 
 def _nearest_stall_array(centers: torch.Tensor, rho: float) -> torch.Tensor:
