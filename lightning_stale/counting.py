@@ -134,7 +134,8 @@ class Counts:
         self._unread: dict[str, np.ndarray] = {}  # per reader: recent sums read on behalf of it, not yet taken
 
     def rebuild(self, old: dict[str, Entry], new: dict[str, Entry], restored: dict[str, dict]) -> None:
-        """New rows for the new slot set, carrying each kept slot's sums (and a restored checkpoint's rows)."""
+        """New rows for the new slot set, carrying each kept slot's sums (and a restored checkpoint's rows); the sums
+        of slots that went away move into ``restored``."""
         rows: dict[torch.device, list[Entry]] = {}
         for entry in new.values():
             rows.setdefault(entry.slot.param.device, []).append(entry)
@@ -150,6 +151,10 @@ class Counts:
                     saved = restored.pop(entry.key)
                     totals[device][local] = saved["totals"].to(totals[device])
                     measured[entry.row] = saved["measured"]
+        for key, entry in old.items():  # a slot that went away keeps its sums for when it comes back
+            if key not in new and key in self._where:
+                restored[key] = {"totals": self.totals[self._where[key]][self.local_row[key]].cpu(),
+                                 "measured": float(self.measured[entry.row])}
         self.totals, self.measured = totals, measured
         self.recent = {d: torch.zeros(len(g), 3, dtype=torch.int32, device=d) for d, g in rows.items()} \
             if self.readers else {}

@@ -55,6 +55,8 @@ class DriftPanel:
         checkpoint's); a new slot starts from zero if its state was created by this step (``fresh_state``), else
         from its stored value."""
         old = {key: s.part(row, i).clone() for key, (s, row, i) in self._of.items()}
+        live = {e.key for u in units for e in u.entries}
+        restored.update({key: shadow for key, shadow in old.items() if key not in live})  # kept for its return
         candidates = [u for u in units if u.sample.count > 0 and any(e.slot.beta is not None for e in u.entries)]
         if not self.exact:  # a hashed choice, one parameter of every driver format first (drift is read per format)
             candidates.sort(key=lambda u: zlib.crc32(u.key.encode()))

@@ -78,6 +78,7 @@ class StallEngine:
         self._n_state = -1
         self._state: object = None
         self._empty: list[Tensor] = []
+        self._watch = 0  # refreshes that still compare the slots' tensors with the live state (after a reset)
 
     # -- structure ---------------------------------------------------------------------------------------------------
     def refresh(self, fresh_state: bool) -> bool:
@@ -87,14 +88,19 @@ class StallEngine:
         takes this step's gradient); otherwise it starts from the stored value.
         """
         state = self.adapter.optimizer.state
-        if len(state) == self._n_state and state is self._state and not any(state[p] for p in self._empty):
+        unchanged = len(state) == self._n_state and state is self._state and not any(state[p] for p in self._empty)
+        if unchanged and not self._watch:
             return False
         self._n_state, self._state = len(state), state
         self._empty = [p for p, s in state.items() if not s]  # entries someone created empty (a defaultdict read)
         position = {id(p): i for i, p in enumerate(p for g in self.adapter.optimizer.param_groups for p in g["params"])}
+        slots = sorted(self.adapter.slots(), key=lambda s: position[id(s.param)])
+        if unchanged:
+            self._watch -= 1
+            if _layout(slots) == _layout(e.slot for e in self.entries.values()):
+                return False
         units: dict[int, Unit] = {}
         entries: dict[str, Entry] = {}
-        slots = sorted(self.adapter.slots(), key=lambda s: position[id(s.param)])
         pairs = {id(s.param) for s in slots if s.packed}
         for slot in slots:
             index = position[id(slot.param)]
@@ -114,6 +120,15 @@ class StallEngine:
         self.panel.rebuild(self.units, old_entries, fresh_state, self._restored["shadows"])
         self.version += 1
         return True
+
+    def invalidate(self, watch: int = 0) -> None:
+        """Rebuild the slots at the next refresh (the optimizer's state was loaded), or, with ``watch``, compare them
+        with the live state at that many refreshes and rebuild if the optimizer replaced or removed a tensor (after
+        a reset: SGD recreates a deleted momentum buffer at its next step)."""
+        if watch:
+            self._watch = max(self._watch, watch)
+        else:
+            self._n_state = -1
 
     def _build_cohorts(self) -> None:
         # Every unit, empty shards included: the cohort schedule must be the same on every rank.
@@ -244,3 +259,8 @@ class StallEngine:
         self.entries, self.units = {}, []
         self.counts.rebuild({}, {}, {})
         self.panel.clear()
+
+
+def _layout(slots: object) -> list[tuple[int, str, tuple[int, ...]]]:
+    """Each slot's parameter, key and the addresses of the state tensors it reads, in order."""
+    return [(id(s.param), s.key, tuple(t.data_ptr() for t in s.state_tensors())) for s in slots]

@@ -108,6 +108,9 @@ class StallForecast:
                 sums[entry.row] = self.sums[row_of[entry.key]]
             elif entry.key in self._restored:
                 sums[entry.row] = self._restored.pop(entry.key)
+        for key, i in row_of.items():  # a slot that went away keeps its sums for when it comes back
+            if key not in entries:
+                self._restored[key] = self.sums[i].tolist()
         self.sums, self._keys = sums, list(entries)
 
     def take_window(self, entries: dict[str, Entry]) -> np.ndarray:

@@ -24,6 +24,7 @@ from lightning_stale.remedies import GUARD, GUARD_CHECKS, NONE, RESET, STOCHASTI
 from lightning_stale.schedule import ResetSchedule, ResetUnit
 
 POST_RESET_GUARD_STEPS = 30  # steps after a reset during which the underflow guard protects the reset parameters
+REBIND_REFRESHES = 2  # a reset may replace state now or at the next step: compare slots before and after it
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class Interventions:
         reset = self.adapter.reset_exact if self.exact_v_reset else self.adapter.reset
         reset(moments=moments, params=[u.param for u in units])
         self.engine.resync([u.position for u in units], tuple(moments))
+        self.engine.invalidate(watch=REBIND_REFRESHES)
         slots = [s for u in units for s in u.slots if s.moment in moments]
         self.schedule.record_reset(units, step, self.warmup_steps, POST_RESET_GUARD_STEPS)
         self.resets += 1

@@ -278,7 +278,6 @@ class StaleStateMonitor:
             t.engine.load_state_dict(s["engine"], counts=not multi_process, shadows=own_shadows)
             t.forecast.load_state_dict(s["forecast"], window=not multi_process)
             t.schedule.load_state_dict(s["schedule"])
-            t.schedule.sync([])
             t.interventions.load_state_dict(s["interventions"])
             t.adopted = -1
 
@@ -301,6 +300,7 @@ class StaleStateMonitor:
                        steps=steps_taken)
         self._handles.append(adapter.optimizer.register_step_pre_hook(lambda *_: self._shielded(self._before, track)))
         self._handles.append(adapter.optimizer.register_step_post_hook(lambda *_: self._shielded(self._after, track)))
+        self._handles.append(adapter.optimizer.register_load_state_dict_post_hook(lambda *_: engine.invalidate()))
         self._adopt(track)
         return track
 

@@ -108,18 +108,22 @@ class ResetSchedule:
     """Reset bookkeeping of one optimizer's parameters, aligned with its engine's units."""
 
     def __init__(self) -> None:
+        self._clear()
+
+    def _clear(self) -> None:
         self.units: list[ResetUnit] = []
         self.keys: list[str] = []
         self.arrays: dict[str, np.ndarray] = {name: np.zeros(0, dtype=kind) for name, (kind, _) in FIELDS.items()}
         self.sources: list[str] = []  # why each period was chosen ("" until the policy configured the unit)
         self.betas = np.zeros(0)  # beta of each driver slot (nan when it is not an EMA)
-        self._restored: dict[str, dict[str, Any]] = {}
+        self._restored: dict[str, dict[str, Any]] = {}  # fields of parameters not (or no longer) synced, by key
 
     def sync(self, units: list[Unit], initial_age: Callable[[Unit], int] | None = None) -> list[ResetUnit]:
         """Align with the engine's units (same order), keeping each known parameter's fields; returns the new ones.
 
-        A new parameter takes its fields from a loaded checkpoint when there is one, else starts at
-        ``initial_age(unit)`` (the age of optimizer state that existed before monitoring began) or 0."""
+        A new parameter takes its fields from a loaded checkpoint (or from before its state went away) when there is
+        one, else starts at ``initial_age(unit)`` (the age of optimizer state that existed before monitoring began)
+        or 0."""
         old = {key: i for i, key in enumerate(self.keys)}
         arrays = {name: np.full(len(units), default, dtype=kind) for name, (kind, default) in FIELDS.items()}
         sources = [""] * len(units)
@@ -138,6 +142,11 @@ class ResetSchedule:
                 for name in HISTORY if restored is not None else ():
                     if name in restored:
                         arrays[name][i] = restored[name]
+        kept = {u.key for u in units}
+        for key, j in old.items():  # a parameter whose state went away (a reset that deletes a buffer) keeps its history
+            if key not in kept:
+                self._restored[key] = {**{name: self.arrays[name][j].item() for name in FIELDS},
+                                       "period_source": self.sources[j]}
         self.arrays, self.sources, self.keys = arrays, sources, [u.key for u in units]
         self.units = [ResetUnit(self, i, unit) for i, unit in enumerate(units)]
         self.betas = np.array([_beta(u.driver()) for u in self.units], dtype=np.float64)
@@ -227,7 +236,9 @@ class ResetSchedule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt the measured history of a checkpoint (ages, reset counts, warm-up, adaptive accumulators, rho-hat
-        estimates); periods are re-derived by the policy configured now."""
+        estimates) in place of what the schedule held; each parameter takes its part when it is next synced, and its
+        period is re-derived by the policy configured now."""
+        self._clear()
         self._restored = {key: dict(fields) for key, fields in state.items()}
 
 

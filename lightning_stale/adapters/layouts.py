@@ -119,6 +119,9 @@ class BlockQmapSlot(Slot):
     qmap: Tensor
     block_size: int
 
+    def state_tensors(self) -> list[Tensor]:
+        return [self.stored, self.scale]  # the map is a shared table (adapters may rebuild it for each read)
+
     def codes(self) -> Tensor:
         return self.stored
 

@@ -71,6 +71,11 @@ class Slot:
         """Absolute local grid spacing at each stored value (ulp convention), flat; ``None`` if unknown."""
         return None
 
+    def state_tensors(self) -> list[Tensor]:
+        """The optimizer-state tensors this slot reads, to notice when the optimizer replaced one (the slot keeps
+        them alive, so a replacement never reuses their address)."""
+        return [v for v in vars(self).values() if isinstance(v, Tensor) and v is not self.param]
+
     def sampled_codes(self, sample: Sample) -> Tensor:
         """The codes of the sampled elements as a 1-D view of the stored tensor (bytes for packed layouts)."""
         return sample.view(self.codes())
