@@ -132,12 +132,14 @@ def _sid(slot) -> tuple[int, str]:
     return id(slot.param), slot.key
 
 
-def check_full_reset_is_fresh(make: MakeOpt, params: list[nn.Parameter], n: int = 3, k: int = 3) -> None:
-    """Reset after ``n`` steps, then ``k`` steps == a fresh optimizer on copied params, bit for bit (params and
-    states)."""
+def check_full_reset_is_fresh(
+    make: MakeOpt, params: list[nn.Parameter], n: int = 3, k: int = 3, moments: Sequence[str] | None = None
+) -> None:
+    """Reset (``moments``, all by default) after ``n`` steps, then ``k`` steps == a fresh optimizer on copied params,
+    bit for bit (params and states)."""
     opt = make(params)
     run(opt, params, range(n))
-    adapter_for(opt).reset()
+    adapter_for(opt).reset(moments)
     twins = [nn.Parameter(p.detach().clone()) for p in params]
     fresh = make(twins)
     run(opt, params, range(10, 10 + k))
@@ -194,3 +196,64 @@ def first_update_ratio(
     before = [p.detach().float().clone() for p in params]
     opt.step()
     return max(float(((p.detach().float() - b).abs() / lr).max()) for p, b in zip(params, before))
+
+
+def check_reset_in_place(make: MakeOpt, params: list[nn.Parameter], moments: Sequence[str] | None = None) -> None:
+    """A reset writes into the state tensors it found (GradScaler and FSDP keep references): after it every state
+    entry is the same tensor object on the same storage, and no entry appeared or vanished."""
+    opt = make(params)
+    run(opt, params, range(3))
+    before = [{k: (v, v.data_ptr()) for k, v in opt.state[p].items() if isinstance(v, Tensor)} for p in params]
+    adapter_for(opt).reset(moments)
+    for i, (p, old) in enumerate(zip(params, before)):
+        now = {k: v for k, v in opt.state[p].items() if isinstance(v, Tensor)}
+        assert now.keys() == old.keys(), f"param {i}: state keys {now.keys()} != {old.keys()}"
+        for key, (tensor, pointer) in old.items():
+            assert now[key] is tensor and tensor.data_ptr() == pointer, f"param {i} state {key} was replaced"
+
+
+def zero_keys(keys: Sequence[str]) -> Callable[[torch.optim.Optimizer], None]:
+    """The naive reset that zeroes the state entries ``keys`` (where present) and keeps everything else."""
+
+    def reset(opt: torch.optim.Optimizer) -> None:
+        for state in opt.state.values():
+            for key in keys:
+                if key in state:
+                    state[key].zero_()
+
+    return reset
+
+
+def reset_update_ratios(
+    make: MakeOpt, shapes: Sequence[tuple[int, ...]], lr: float, v_keys: Sequence[str],
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, float]:
+    """:func:`first_update_ratio` after each kind of reset (``"none"`` for no reset, ``"zero v"`` for zeroing the
+    ``v_keys`` entries and keeping ``step``), each from fresh parameters of ``shapes``."""
+    kinds: dict[str, Callable[[torch.optim.Optimizer], None]] = {
+        "v-only": lambda opt: adapter_for(opt).reset(["v"]),
+        "m-only": lambda opt: adapter_for(opt).reset(["m"]),
+        "full": lambda opt: adapter_for(opt).reset(),
+        "none": lambda opt: None,
+        "zero v": zero_keys(v_keys),
+    }
+    return {kind: first_update_ratio(make, make_params(shapes, dtype), lr, fn) for kind, fn in kinds.items()}
+
+
+if __name__ == "__main__":  # the table in docs/adapters.md: python tests/adapter_checks.py [bfloat16]
+    import functools
+    import sys
+
+    lr = 1e-2
+    dtype = getattr(torch, sys.argv[1]) if len(sys.argv) > 1 else torch.float32
+    torch_optimizers = {
+        "Adam": (torch.optim.Adam, ("exp_avg_sq",)),
+        "NAdam": (torch.optim.NAdam, ("exp_avg_sq",)),
+        "RAdam": (torch.optim.RAdam, ("exp_avg_sq",)),
+        "Adamax": (torch.optim.Adamax, ("exp_inf",)),
+        "Adafactor": (torch.optim.Adafactor, ("row_var", "col_var", "variance")),
+    }
+    print(f"largest |update| / lr in the step after a reset, 64x64 weight and bias, {dtype}")
+    for name, (cls, keys) in torch_optimizers.items():
+        ratios = reset_update_ratios(functools.partial(cls, lr=lr), [(64, 64), (64,)], lr, keys, dtype)
+        print(f"{name:10s}", "  ".join(f"{kind}: {ratio:.3g}" for kind, ratio in ratios.items()))

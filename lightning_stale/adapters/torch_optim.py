@@ -1,9 +1,13 @@
-"""Adapters for torch.optim's Adam/AdamW, SGD (momentum), RMSprop and Adagrad, with states in any float dtype.
+"""Adapters for torch.optim's Adam/AdamW/RAdam/NAdam, Adamax, Adafactor, SGD (momentum), RMSprop and Adagrad, with
+states in any float dtype.
 
-Moments seen: Adam/AdamW ``exp_avg`` -> m (beta1) and ``exp_avg_sq`` -> v (beta2); SGD ``momentum_buffer`` -> m
-(not an EMA: beta None); RMSprop ``square_avg`` -> v (beta = alpha); Adagrad ``sum`` -> v (a running sum:
-beta None). Codes are the raw bits of the state tensor; the grid is the tensor's own dtype (bf16 parameters give
-bf16 states). Resets zero buffers and the ``step`` tensor in place (fused/foreach/capturable keep their tensors).
+Moments seen: Adam/AdamW/RAdam/NAdam ``exp_avg`` -> m (beta1) and ``exp_avg_sq`` -> v (beta2); Adamax ``exp_avg``
+-> m (beta1) and ``exp_inf`` -> v (a decayed running max of |g|, not an EMA: beta None); Adafactor ``variance`` -> v
+(beta None: its beta2 follows a schedule), its factored ``row_var``/``col_var`` are reset but not seen; SGD
+``momentum_buffer`` -> m (not an EMA: beta None); RMSprop ``square_avg`` -> v (beta = alpha); Adagrad ``sum`` -> v (a
+running sum: beta None). Codes are the raw bits of the state tensor; the grid is the tensor's own dtype (bf16
+parameters give bf16 states). Resets write buffers and the ``step`` tensor in place (fused/foreach/capturable keep
+their tensors).
 """
 
 from __future__ import annotations
@@ -25,11 +29,30 @@ def float_slot(param: Tensor, state: dict, key: str, moment: Moment, beta: float
     return FloatSlot(param, moment, beta, FLOAT_FORMATS.get(tensor.dtype, str(tensor.dtype)), key, tensor=tensor)
 
 
+def _decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """True when weight decay is applied to the parameter, not added to the gradient (AdamW)."""
+    return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+
+
+def _moment_grad(optimizer: torch.optim.Optimizer, group: dict, p: Tensor) -> Tensor | None:
+    """``p.grad`` as the moments see it (fp32, this process's shard): negated under ``maximize``, plus coupled weight
+    decay. None when the gradient is gone."""
+    grad = local_tensor(p.grad)
+    if grad is None:
+        return None
+    grad = -grad.float() if group.get("maximize", False) else grad.float()
+    if group.get("weight_decay", 0) != 0 and not _decoupled(optimizer, group):
+        grad = grad + group["weight_decay"] * local_tensor(p).detach().float()
+    return grad
+
+
 class TorchAdamAdapter(SharedStepAdapter):
-    """``torch.optim.Adam`` and ``AdamW`` (all foreach/fused/capturable/amsgrad variants).
+    """``torch.optim.Adam``, ``AdamW`` (all foreach/fused/capturable/amsgrad variants) and ``RAdam``.
 
     One ``step`` per parameter serves both moments: a full reset is exact, an m-only reset zeroes m and keeps
-    ``step`` (the next updates are smaller, a built-in warm-up), a v-only reset uses :mod:`.restart`.
+    ``step`` (the next updates are smaller, a built-in warm-up), a v-only reset uses :mod:`.restart`. RAdam divides
+    the same bias-corrected m by the same ``sqrt(v_hat)``, times its rectification term (at most 1), or does not read v
+    at all (its first ~5 steps), so the restart bounds its next update too.
     """
 
     family = "torch.optim"
@@ -56,21 +79,120 @@ class TorchAdamAdapter(SharedStepAdapter):
         if step == 0:
             state["exp_avg_sq"].zero_()
             return
-        beta1, beta2 = group["betas"]  # computed on this process's shards (DTensors under FSDP2)
-        m_hat = local_tensor(state["exp_avg"]).float() / (1.0 - beta1**step)
-        grad = local_tensor(p.grad)
-        if grad is not None and group["weight_decay"] != 0 and not _decoupled(self.optimizer, group):
-            grad = grad.float() + group["weight_decay"] * local_tensor(p).detach().float()
-        target = restarted_v(m_hat, grad, step, beta2)
+        grad = _moment_grad(self.optimizer, group, p)  # computed on this process's shards (DTensors under FSDP2)
+        target = restarted_v(self.numerator(group, state, grad, step), grad, step, group["betas"][1])
         for key in ("exp_avg_sq", "max_exp_avg_sq"):
             if key in state:
                 stored = local_tensor(state[key])
                 stored.copy_(round_up_float(target, stored.dtype))
 
+    def numerator(self, group: dict, state: dict, grad: Tensor | None, step: int) -> Tensor:
+        """The update numerator the restarted v must cover (:func:`.restart.restarted_v`): Adam's bias-corrected
+        ``m / (1 - beta1**step)``, whose next value lies between it and the next gradient."""
+        return local_tensor(state["exp_avg"]).float() / (1.0 - group["betas"][0] ** step)
 
-def _decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:
-    """True when weight decay is applied to the parameter, not added to the gradient (AdamW)."""
-    return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+
+def _nadam_mu(beta1: float, momentum_decay: float, step: int) -> float:
+    """NAdam's momentum coefficient at ``step`` (its warm-up schedule)."""
+    return beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
+
+
+class TorchNAdamAdapter(TorchAdamAdapter):
+    """``torch.optim.NAdam`` (for-loop, foreach, capturable, differentiable, maximize, ``decoupled_weight_decay``).
+
+    Its m is bias-corrected by ``mu_product`` (the product of the momentum schedule so far), a scalar tensor a full
+    reset refills with 1.0, a fresh optimizer's value, in place. An m-only reset zeroes m and keeps ``step`` and
+    ``mu_product`` (m is then under-corrected: smaller next updates, as for Adam). The next update's numerator is
+    ``A + B g'`` with ``A = c_m beta1 m`` and ``B = c_g + c_m (1 - beta1)`` (NAdam's gradient and momentum weights
+    ``c_g``, ``c_m`` at the next step); the v-only restart covers ``max(|A|, |A + B g|)`` with ``g`` the last gradient,
+    so the next update is at most about lr for every next gradient between 0 and ``g``.
+    """
+
+    def reset_all(self, state: dict) -> None:
+        super().reset_all(state)
+        state["mu_product"].fill_(1.0)
+
+    def numerator(self, group: dict, state: dict, grad: Tensor | None, step: int) -> Tensor:
+        beta1, decay = group["betas"][0], group["momentum_decay"]
+        mu, mu_next = _nadam_mu(beta1, decay, step + 1), _nadam_mu(beta1, decay, step + 2)
+        product = float(state["mu_product"]) * mu
+        c_g = (1.0 - mu) / (1.0 - product)
+        c_m = mu_next / (1.0 - product * mu_next)
+        kept = c_m * beta1 * local_tensor(state["exp_avg"]).float()
+        if grad is None:
+            return kept.abs()
+        return torch.maximum(kept.abs(), (kept + (c_g + c_m * (1.0 - beta1)) * grad.reshape(kept.shape)).abs())
+
+
+class TorchAdamaxAdapter(SharedStepAdapter):
+    """``torch.optim.Adamax`` (for-loop, foreach, capturable, differentiable, maximize).
+
+    ``exp_inf`` is the update's denominator but not an EMA of g**2: ``max(beta2 * exp_inf, |g| + eps)``, a running
+    max of |g| decayed by beta2 and never bias-corrected. Its slot is v with beta None, so its stalls are counted but
+    the EMA theory, the drift shadow and theory resets leave it alone. Full reset: exact. m-only: zeroes m and keeps
+    ``step``; ``exp_inf >= |g|`` bounds the next update by ``lr (1 - beta1) / (1 - beta1**(step + 1))``. v-only: a
+    zeroed ``exp_inf`` would give ``lr m_hat / (|g| + eps)``, so ``exp_inf`` restarts at ``max(|m_hat|, |g|) / beta2``
+    (rounded up): it decays to ``max(|m_hat|, |g|)`` in the next step, which bounds the next update by lr whatever the
+    next gradient (``m_hat_next`` lies between ``m_hat`` and it), and tracks the gradients from there instead of an old
+    maximum.
+    """
+
+    family = "torch.optim"
+
+    def slots(self) -> list[Slot]:
+        out: list[Slot] = []
+        for group, p, state in self.stepped():
+            out.append(float_slot(p, state, "exp_avg", "m", group["betas"][0]))
+            out.append(float_slot(p, state, "exp_inf", "v", None))
+        return out
+
+    def reset_all(self, state: dict) -> None:
+        for key in ("exp_avg", "exp_inf", "step"):
+            state[key].zero_()
+
+    def reset_m(self, state: dict) -> None:
+        state["exp_avg"].zero_()
+
+    def restart_v(self, group: dict, p: Tensor, state: dict) -> None:
+        step = int(state["step"])
+        stored = local_tensor(state["exp_inf"])
+        if step == 0:
+            stored.zero_()
+            return
+        beta1, beta2 = group["betas"]
+        level = local_tensor(state["exp_avg"]).float().abs() / (1.0 - beta1**step)
+        grad = _moment_grad(self.optimizer, group, p)
+        if grad is not None:
+            level = torch.maximum(level, grad.abs().reshape(level.shape))
+        stored.copy_(round_up_float(level / beta2 if beta2 > 0 else level, stored.dtype))
+
+
+class TorchAdafactorAdapter(OptimizerAdapter):
+    """``torch.optim.Adafactor`` (torch >= 2.5; for-loop and foreach): v only, no first moment.
+
+    Vectors keep ``variance`` (one value per element): a v slot. Matrices keep only ``row_var`` and ``col_var``, one
+    value per row and per column, which the engine's per-element strided views cannot read: they are reset but not
+    seen, so the monitor's policies (which act on the parameters it sees) never reset them. beta is None: the EMA
+    weight is ``1 - step**beta2_decay``, a schedule (beta2 = 0.996 at step 1000, 0.9994 at 10,000 by default), not the
+    constant beta the stall theory and the drift shadow assume. That schedule is v's bias correction and ``step``
+    serves v alone (and the relative step size ``min(lr, 1/sqrt(step))``), so a v reset zeroes every factor and
+    ``step``: the exact fresh state, whose next step writes ``v = g**2`` (beta2 = 0 at step 1); Adafactor's update
+    clipping (RMS at most ``d``) bounds that step as it bounds a fresh optimizer's first.
+    """
+
+    family = "torch.optim"
+    exact_moment_reset = True
+
+    def slots(self) -> list[Slot]:
+        return [float_slot(p, state, "variance", "v", None) for _, p, state in self.stepped() if "variance" in state]
+
+    def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
+        if "v" not in resolve_moments(moments):
+            return
+        for _, _, state in self.stepped(params):
+            for key in ("row_var", "col_var", "variance", "step"):
+                if key in state:
+                    state[key].zero_()
 
 
 class TorchSGDAdapter(OptimizerAdapter):
@@ -137,7 +259,12 @@ class TorchAdagradAdapter(OptimizerAdapter):
 ADAPTERS: dict[type, type[OptimizerAdapter]] = {
     torch.optim.Adam: TorchAdamAdapter,
     torch.optim.AdamW: TorchAdamAdapter,
+    torch.optim.RAdam: TorchAdamAdapter,
+    torch.optim.NAdam: TorchNAdamAdapter,
+    torch.optim.Adamax: TorchAdamaxAdapter,
     torch.optim.SGD: TorchSGDAdapter,
     torch.optim.RMSprop: TorchRMSpropAdapter,
     torch.optim.Adagrad: TorchAdagradAdapter,
 }
+if hasattr(torch.optim, "Adafactor"):  # torch >= 2.5
+    ADAPTERS[torch.optim.Adafactor] = TorchAdafactorAdapter
