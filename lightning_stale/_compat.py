@@ -181,3 +181,11 @@ def hf_exportable_state() -> type:
     except ImportError:  # pragma: no cover - transformers < 4.41
         return type("ExportableState", (), {})
     return ExportableState
+
+
+def unwrap_compiled(module: Any) -> Any:
+    """The module inside ``torch.compile``'s wrapper (its ``_orig_mod``), else ``module``."""
+    inner = getattr(module, "_orig_mod", None)
+    import torch
+
+    return inner if isinstance(inner, torch.nn.Module) else module

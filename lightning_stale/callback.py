@@ -117,6 +117,7 @@ class StaleStateCallback(Callback):
             )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _require_trainer(trainer)
         self._detach()
         if self._disabled:
             return
@@ -125,6 +126,7 @@ class StaleStateCallback(Callback):
             raise MisconfigurationException("StaleStateCallback needs at least one optimizer (none was configured)")
         if "ModelParallel" in type(trainer.strategy).__name__:
             _check_sharded_optimizers(trainer.optimizers)
+        previous = self.monitor
         self.monitor = StaleStateMonitor(
             trainer.optimizers, options=self.options, names=pl_module,
             reduce=self.reduce_sum if trainer.world_size > 1 else None,
@@ -139,6 +141,12 @@ class StaleStateCallback(Callback):
             except ValueError as error:
                 raise MisconfigurationException(f"StaleStateCallback: {error}") from error
             self._pending_state = None
+        elif previous is not None:  # a later fit of the same Trainer: its counts go on
+            self.monitor.continue_from(previous)
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+        """Only Lightning Fabric calls this hook: this callback is the Trainer's front-end."""
+        _require_trainer(None)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -172,6 +180,14 @@ class StaleStateCallback(Callback):
     def _detach(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+def _require_trainer(trainer: object) -> None:
+    """A clear error where the Trainer callback is given to Lightning Fabric (which has no ``optimizers``)."""
+    if not isinstance(trainer, Trainer):
+        raise MisconfigurationException(
+            "StaleStateCallback is the Lightning Trainer's front-end; with Lightning Fabric pass "
+            "lightning_stale.fabric.StaleStateFabricCallback(...) to Fabric(callbacks=...) instead")
 
 
 def _check_sharded_optimizers(optimizers: list) -> None:

@@ -46,6 +46,10 @@ class ResetEvent:
 ResetListener = Callable[[ResetEvent], None]
 
 
+class ListenerError(RuntimeError):
+    """A reset listener raised: the user's code, not the monitor's, so the error is not swallowed."""
+
+
 class Interventions:
     """Resets, guard, warm-up and remedy actions for one optimizer.
 
@@ -109,7 +113,12 @@ class Interventions:
         self.resets += 1
         event = ResetEvent(step, self.adapter.optimizer, slots)
         for listener in self.listeners:
-            listener(event)
+            try:
+                listener(event)
+            except Exception as error:
+                name = getattr(listener, "__qualname__", repr(listener))
+                raise ListenerError(f"the reset listener {name} raised {type(error).__name__}: {error} (listeners "
+                                    "are called with one argument, a ResetEvent)") from error
 
     def apply_remedy(self, remedy: Remedy, step: int, check_every: int) -> None:
         """Apply the remedy's choice after a check step: open (or extend) guard windows; for drifted parameters switch
@@ -141,6 +150,11 @@ class Interventions:
                  f"(e.g. {self._name(units[0])!r}: {units[0].drift:.2f}) at step {step}")
             self.remedy_resets += len(units)
             self.reset(units, remedy.moments, step)
+
+    def add_counts(self, resets: int, remedy_resets: int) -> None:
+        """Count an earlier run's resets as this one's (the counters of a later fit go on)."""
+        self.resets += resets
+        self.remedy_resets += remedy_resets
 
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,11 +31,11 @@ from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
 from lightning_stale.collective import Collective, Reduce, default_reduce, world_size
 from lightning_stale.engine import StallEngine
 from lightning_stale.forecast import StallForecast
-from lightning_stale.interventions import ResetEvent, ResetListener, Interventions
+from lightning_stale.interventions import Interventions, ListenerError, ResetEvent, ResetListener
 from lightning_stale.messages import Notices, ParamNames, StaleStateInternalWarning, StaleStateWarning, info
 from lightning_stale.options import MonitorOptions
 from lightning_stale.remedies import GUARD, STOCHASTIC
-from lightning_stale.report import fit_start_report
+from lightning_stale.report import fit_start_report, period_report
 from lightning_stale.schedule import ResetSchedule, ResetUnit
 from lightning_stale.state import STATE_VERSION, upgrade
 from lightning_stale.vocab import check_int
@@ -57,6 +57,7 @@ class _Track:
     steps: int  # real optimizer steps seen (restored from checkpoints)
     adopted: int = -1  # the engine version whose units the schedule holds
     announced: bool = False
+    estimated: set[int] = field(default_factory=set)  # positions given a grid estimate since the last period report
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -281,6 +282,14 @@ class StaleStateMonitor:
             t.interventions.load_state_dict(s["interventions"])
             t.adopted = -1
 
+    def continue_from(self, previous: StaleStateMonitor) -> None:
+        """Go on from a monitor of an earlier run in this process (a second ``fit`` of the same Trainer): its whole
+        state where it watched the same optimizers, else its reset counters (the new optimizers start fresh)."""
+        if [id(o) for o in previous.optimizers] == [id(o) for o in self.optimizers]:
+            self.load_state_dict(previous.state_dict())
+        else:
+            self._tracks[0].interventions.add_counts(previous.reset_events, previous.remedy_resets)
+
     # -- attaching and the error shield ------------------------------------------------------------------------------
     def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int) -> _Track:
         options = self.options
@@ -307,6 +316,8 @@ class StaleStateMonitor:
     def _shielded(self, hook: Callable[[_Track], None], track: _Track) -> None:
         try:
             hook(track)
+        except ListenerError:  # the user's own code failed: it reaches the user like any callback error
+            raise
         except Exception as error:  # the monitor must never stop a training run
             track.engine.discard()
             self._notices.warn_once(
@@ -337,7 +348,7 @@ class StaleStateMonitor:
         if measured:
             t.forecast.record(measured, t.schedule)
         if t.forecast.pending and t.engine.measured_cohort:
-            self._configure(t.forecast.estimate(t.schedule, t.engine.measured_cohort))
+            self._estimate(t)
         t.schedule.advance()
         if (self.remedy is not None or (self.policy is not None and self.policy.needs_drift)) \
                 and t.steps % self._check_every == 0:
@@ -387,6 +398,18 @@ class StaleStateMonitor:
             mixed = self._mixed_precision(t)  # a collective: every rank adopts at the same step
             info(fit_start_report(t.adapter, t.engine, t.schedule, t.forecast.pending, self.policy, self.remedy,
                                   self.options.track_every, mixed))
+
+    def _estimate(self, t: _Track) -> None:
+        """Grid estimates for the pending parameters of the measured cohort; their periods once all are known."""
+        known = t.forecast.estimate(t.schedule, t.engine.measured_cohort)
+        self._configure(known)
+        t.estimated.update(u.position for u in known)
+        if known and not t.forecast.pending:
+            line = period_report(t.schedule, self.policy, only=t.estimated,
+                                 title="reset periods from the grid estimates at first measurement")
+            if line:
+                info(line)
+            t.estimated = set()
 
     def _configure(self, units: list[ResetUnit]) -> None:
         if self.policy is not None:

@@ -106,6 +106,9 @@ class TheoryReset(ResetPolicy):
     def configure(self, unit: ResetUnit) -> None:
         driver = unit.driver()
         unit.period, reason = predict.reset_period(unit.rho, None if driver is None else driver.beta, self.s0)
+        if unit.rho is None and driver is not None:
+            closed, why, needs_estimate = predict.closed_form_rho(driver)
+            reason = reason if needs_estimate else why  # e.g. "fp32 (no staleness)" rather than "no theory"
         unit.period_source = reason or "theory"
 
     def should_reset(self, unit: ResetUnit, step: int) -> bool:

@@ -18,13 +18,10 @@ def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: R
     state fell back to fp32 on some ranks only (optimizers apply their size threshold to the local shard)."""
     params: Counter[str] = Counter()
     elements: Counter[str] = Counter()
-    periods: Counter[str] = Counter()
     for unit in schedule.units:
         for slot in unit.slots:
             params[f"{slot.moment} {slot.format} (beta={slot.beta})"] += 1
             elements[f"{slot.moment} {slot.format} (beta={slot.beta})"] += slot.numel
-        if policy is not None and unit.position not in pending and unit.period_source:
-            periods[f"{unit.period} ({unit.period_source})"] += 1
     remedy_text = f"; remedy: {remedy!r}" if remedy is not None else ""
     tracking = "exact" if engine.exact else (f"sample ({engine.sample_size} elements, "
                                             f"{len(engine.cohorts[0]) if engine.cohorts else 0} parameters per step)")
@@ -36,8 +33,22 @@ def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: R
         lines.append(f"[lightning_stale] {len(mixed)} parameter(s) have low-precision states on some ranks and fp32 on "
                      f"others (the optimizer's size threshold applies to local shards): "
                      + ", ".join(mixed[:5]) + (" ..." if len(mixed) > 5 else ""))
+    periods = period_report(schedule, policy, exclude=pending)
     if periods:
-        lines.append("[lightning_stale] reset periods: " + ", ".join(f"{k} x{n}" for k, n in periods.items()))
+        lines.append(periods)
     if pending:
-        lines.append(f"[lightning_stale] {len(pending)} parameter(s) get their rho-hat at their first measurement")
+        lines.append(f"[lightning_stale] {len(pending)} parameter(s) get their rho-hat (and period) at their first "
+                     "measurement")
     return "\n".join(lines)
+
+
+def period_report(schedule: ResetSchedule, policy: ResetPolicy | None, exclude: set[int] | None = None,
+                  only: set[int] | None = None, title: str = "reset periods") -> str:
+    """One line counting the reset periods the policy chose (and why), over the parameters in ``only`` (default:
+    all) less those in ``exclude``; empty without a policy."""
+    periods: Counter[str] = Counter()
+    for unit in schedule.units:
+        chosen = (only is None or unit.position in only) and unit.position not in (exclude or ())
+        if policy is not None and chosen and unit.period_source:
+            periods[f"{unit.period} ({unit.period_source})"] += 1
+    return f"[lightning_stale] {title}: " + ", ".join(f"{k} x{n}" for k, n in periods.items()) if periods else ""

@@ -1,0 +1,110 @@
+"""What a user meets beyond the main path: a failing reset listener is the user's error and says so, the Trainer
+callback given to Fabric says what to use, compiled modules give plain names, a second fit continues the counts,
+and the fit-start report names the periods it chose and why."""
+
+from __future__ import annotations
+
+import logging
+
+import bitsandbytes as bnb
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_stale import StaleStateCallback, StaleStateMonitor
+from lightning_stale.interventions import ListenerError
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(8, 64, generator=g)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _bnb_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    return model, bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=256)
+
+
+def test_a_failing_reset_listener_reaches_the_user_with_its_name():
+    model, optimizer = _bnb_model()
+    monitor = StaleStateMonitor(optimizer, reset="periodic", every=2)
+
+    def old_style(step, optimizer):  # the signature before ResetEvent
+        pass
+
+    monitor.add_reset_listener(old_style)
+    with pytest.raises(ListenerError, match="reset listener .*old_style raised TypeError"):
+        _train(model, optimizer, 3)
+
+
+def test_the_trainer_callback_given_to_fabric_says_what_to_use():
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[StaleStateCallback()])
+    model, optimizer = fabric.setup(*_bnb_model())
+    fabric.backward(model(torch.randn(4, 64)).sum())
+    with pytest.raises(MisconfigurationException, match="pass lightning_stale.fabric.StaleStateFabricCallback"):
+        optimizer.step()
+    with pytest.raises(MisconfigurationException, match="StaleStateFabricCallback"):
+        fabric.call("on_train_start", fabric, model)
+
+
+def test_a_compiled_model_gives_the_plain_parameter_names():
+    model, optimizer = _bnb_model()
+    compiled = torch.compile(model)
+    monitor = StaleStateMonitor(optimizer, names=compiled, log_per_param=True, track="exact")
+    _train(model, optimizer, 2)
+    assert set(monitor.reset_periods()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert "stale/0.weight/state2/frac" in monitor.compute()
+
+
+class _Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(128, 32, generator=g), torch.randn(128, 4, generator=g)),
+                          batch_size=8)
+
+    def configure_optimizers(self):
+        return bnb.optim.AdamW8bit(self.parameters(), lr=1e-3, min_8bit_size=256)
+
+
+def test_a_second_fit_of_the_same_trainer_continues_the_reset_count(tmp_path):
+    callback = StaleStateCallback(reset="periodic", every=3)
+    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=7, callbacks=[callback], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu")
+    model = _Regression()
+    trainer.fit(model)
+    assert callback.reset_events == 2
+    trainer.fit_loop.epoch_loop.max_steps = 13
+    trainer.fit(model)  # configure_optimizers gives fresh optimizers: their state starts over, the count goes on
+    assert callback.reset_events == 4
+
+
+def test_the_fit_start_report_names_the_periods_it_chose(caplog):
+    model, optimizer = _bnb_model()
+    with caplog.at_level(logging.INFO):
+        monitor = StaleStateMonitor(optimizer, reset="theory", coverage_steps=2, names=model)
+        _train(model, optimizer, 4)
+    text = caplog.text
+    assert "reset periods: None (fp32 (no staleness)) x1" in text  # the small bias keeps fp32 states
+    assert "3 parameter(s) get their rho-hat (and period) at their first measurement" in text
+    periods = monitor.reset_periods()
+    line = next(line for line in text.splitlines() if "from the grid estimates at first measurement" in line)
+    for name in ("0.weight", "0.bias", "2.weight"):
+        assert f"{periods[name]} (theory)" in line
