@@ -61,6 +61,11 @@ class Batch:
         """The tensors the batch keeps between steps (its views of the state excluded)."""
         return [self.last, self.rows, self.weights, *([] if self.zero_codes is None else [self.zero_codes])]
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the batch's host arrays."""
+        return self.global_rows.nbytes + self.positions.nbytes + self.is_v.nbytes
+
     def snapshot(self) -> Tensor:
         """The sampled codes as stored now, concatenated: the views as they are when every row has the same packing
         (one kernel), else each view as one code per element (packed and unpacked rows have different widths)."""

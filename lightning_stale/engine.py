@@ -231,13 +231,15 @@ class StallEngine:
         return group_drift[group_of], underflow
 
     def tensors(self) -> list[Tensor]:
-        """Every device tensor the engine keeps between steps: totals, recent counts, shadows and batch plans."""
+        """Every device tensor the engine keeps between steps: totals, recent counts, shadows, batch plans and the
+        NaN stand-ins for missing gradients."""
         plans = [t for batches in self._batches.values() for batch in batches for t in batch.tensors()]
-        return [*self.counts.tensors(), *self.panel.tensors(), *plans]
+        return [*self.counts.tensors(), *self.panel.tensors(), *plans, *self._placeholders.values()]
 
     def resident_bytes(self) -> int:
         """Bytes the engine keeps between steps: :meth:`tensors` and its host arrays."""
-        return sum(t.numel() * t.element_size() for t in self.tensors()) + self.counts.measured.nbytes
+        host = self.counts.measured.nbytes + sum(b.host_bytes for batches in self._batches.values() for b in batches)
+        return sum(t.numel() * t.element_size() for t in self.tensors()) + host
 
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

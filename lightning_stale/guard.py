@@ -102,6 +102,11 @@ class GuardPlan:
         return None
 
 
+    def tensors(self) -> list[Tensor]:
+        """The buffers the plan keeps between steps (its views of the state excluded)."""
+        return [t for group in self._small for t in (group.codes_buffer, group.target_buffer)]
+
+
 class _SmallGroup:
     """Small (v codes, m codes) pairs of one layout with their concatenation buffers."""
 

@@ -151,6 +151,11 @@ class Interventions:
             self.remedy_resets += len(units)
             self.reset(units, remedy.moments, step)
 
+    def resident_bytes(self) -> int:
+        """Bytes kept between steps: the guard plan's buffers."""
+        plan = self._guard_plan[1] if self._guard_plan is not None else None
+        return sum(t.numel() * t.element_size() for t in plan.tensors()) if plan is not None else 0
+
     def add_counts(self, resets: int, remedy_resets: int) -> None:
         """Count an earlier run's resets as this one's (the counters of a later fit go on)."""
         self.resets += resets

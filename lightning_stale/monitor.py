@@ -186,8 +186,10 @@ class StaleStateMonitor:
         return [t.engine for t in self._tracks]
 
     def resident_bytes(self) -> int:
-        """Memory the monitor keeps between steps (engine tensors and host arrays), for budgeting."""
-        return sum(t.engine.resident_bytes() + t.forecast.resident_bytes() for t in self._tracks)
+        """Memory the monitor keeps between steps, for budgeting: every tensor and array of its components (the
+        optimizer state it reads is not counted)."""
+        return sum(t.engine.resident_bytes() + t.forecast.resident_bytes() + t.schedule.resident_bytes()
+                   + t.interventions.resident_bytes() for t in self._tracks)
 
     def reset_periods(self) -> dict[str, int | None]:
         """The reset period chosen for each parameter (by name), once its state exists."""

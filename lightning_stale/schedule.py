@@ -163,6 +163,10 @@ class ResetSchedule:
         schedule.sources, schedule.keys = [""] * n, [str(i) for i in range(n)]
         return schedule
 
+    def resident_bytes(self) -> int:
+        """Bytes of the per-parameter arrays."""
+        return sum(a.nbytes for a in self.arrays.values()) + self.betas.nbytes
+
     @property
     def ages(self) -> np.ndarray:
         return self.arrays["age"]
