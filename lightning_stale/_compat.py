@@ -8,6 +8,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -189,3 +192,82 @@ def unwrap_compiled(module: Any) -> Any:
     import torch
 
     return inner if isinstance(inner, torch.nn.Module) else module
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Silence warnings and log records (below ERROR) inside the block: what other packages report while being
+    imported or read (torchao's C extensions it cannot load, torch's single-process notices), unrelated to the reader's
+    question."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def import_torchao_optim() -> None:
+    """Import ``torchao.optim`` quietly (``torch.load(weights_only=True)`` reads its tensor subclasses once it is
+    imported); ImportError where torchao is not installed."""
+    with quiet():
+        import torchao.optim  # noqa: F401
+
+
+def load_distributed_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Every entry of a ``torch.distributed.checkpoint`` folder (as FSDP2 and Lightning's ModelParallelStrategy write
+    it), loaded into this process as plain tensors, through torch's private single-process loader (what
+    ``_load_state_dict_from_keys`` and ``dcp_to_torch_save`` use). Non-tensor entries must pass
+    ``torch.load(weights_only=True)`` first (torch's own loader unpickles them without that restriction). RuntimeError
+    where this torch has no such loader."""
+    import torch
+
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    except ImportError as error:
+        raise RuntimeError(f"this torch ({torch.__version__}) cannot read a distributed checkpoint on one process "
+                           f"({error})") from None
+
+    class WeightsOnlyPlanner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            torch.load(value, weights_only=True)  # raises for what the weights-only unpickler refuses
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    state: dict[str, Any] = {}
+    with quiet():
+        _load_state_dict(state, storage_reader=FileSystemReader(os.fspath(path)), planner=WeightsOnlyPlanner(),
+                         no_dist=True)
+    return state
+
+
+def hf_parameter_orders(folder: str | os.PathLike) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The trainable parameters of the Hugging Face model saved in ``folder`` as ``(name, shape)``, in the orders an
+    optimizer may hold them: the Trainer's default grouping (weight-decayed parameters, then the others, each in module
+    order), then module order. The model is built from ``config.json`` on the meta device (no weights read) with
+    ``Trainer.get_decay_parameter_names``, a method called here without a Trainer; without it only module order. Empty
+    where transformers cannot build the model (not installed, a remote-code architecture, no config)."""
+    try:
+        import torch
+        import transformers
+
+        with quiet():
+            config = transformers.AutoConfig.from_pretrained(os.fspath(folder))
+            model_class = getattr(transformers, (config.architectures or [""])[0], None)
+            if model_class is None:
+                return []
+            with torch.device("meta"):
+                model = model_class(config)
+    except Exception:  # noqa: BLE001 - any failure to build the skeleton only means no names
+        return []
+    named = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
+    try:
+        decayed = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    except Exception:  # noqa: BLE001 - the method changed: module order only
+        return [named]
+    grouped = [entry for entry in named if entry[0] in decayed] + [entry for entry in named if entry[0] not in decayed]
+    return [grouped, named]

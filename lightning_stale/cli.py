@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from lightning_stale import __version__
 
-COMMANDS = ("demo", "period", "simulate")
+COMMANDS = ("demo", "inspect", "period", "simulate")
 
 
 def build_parser() -> argparse.ArgumentParser:

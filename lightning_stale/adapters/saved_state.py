@@ -1,59 +1,279 @@
-"""Stored second-moment values and their grid spacing, read from a saved optimizer state_dict.
+"""Saved optimizer states, read with the slot classes the live adapters use, and the checkpoints that hold them.
 
-Feeds :func:`lightning_stale.theory.estimate_grid` (``lightning-stale period --state``) from
-``torch.save(optimizer.state_dict(), path)`` of lightning_stale's QuantizedAdamW, bitsandbytes 8-bit optimizers,
-torchao low-bit optimizers (8-bit, 4-bit, FP8) or a torch Adam/AdamW whose ``exp_avg_sq`` is a float tensor. Each
-layout is read by the same slot class the live adapters use, over a stand-in parameter (a saved state has none).
+A saved state has no parameters: each slot gets a stand-in of the parameter's shape (no storage), so that its element
+count and the grid estimate's sample positions are the live ones. :func:`read_optimizer` gives every stored moment of
+every parameter of one optimizer ``state_dict`` (torch.optim, bitsandbytes two-state optimizers in 8 or 32 bits,
+torchao low-bit, lightning_stale's QuantizedAdamW) with the format names the live adapters report.
+:func:`load_checkpoint` finds the optimizer state_dicts, the model's parameter names and the monitor's own saved
+state in what users have: a Lightning checkpoint, a ``torch.save``'d dict or bare state_dict, a Hugging Face
+checkpoint folder, a distributed checkpoint folder. :func:`load_v_sample` feeds ``lightning-stale period --state``.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_stale.adapters.layouts import BlockQmapSlot, FloatSlot
-from lightning_stale.adapters.protocol import Slot
+from lightning_stale import _compat
+from lightning_stale.adapters.layouts import BlockFp8Slot, BlockQmapSlot, FloatSlot
+from lightning_stale.adapters.protocol import Moment, Slot
 
 BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state_dict nests its quantization state
+CHECKPOINT = ("an optimizer state_dict or a checkpoint holding one (a Lightning .ckpt, a torch.save'd dict, a Hugging "
+              "Face or distributed checkpoint folder)")
+FAMILIES = "torch.optim, bitsandbytes, torchao or QuantizedAdamW"
+# torch.optim state keys read as moments: key -> (moment, the group entry holding its beta, index in it or None)
+TORCH_MOMENTS: dict[str, tuple[Moment, str | None, int | None]] = {
+    "exp_avg": ("m", "betas", 0),  # Adam, AdamW, RAdam, NAdam, Adamax
+    "exp_avg_sq": ("v", "betas", 1),
+    "exp_inf": ("v", None, None),  # Adamax: a decayed running max, not an EMA
+    "variance": ("v", None, None),  # Adafactor vectors: its beta2 follows a schedule
+    "momentum_buffer": ("m", None, None),  # SGD
+    "square_avg": ("v", "alpha", None),  # RMSprop
+    "sum": ("v", None, None),  # Adagrad
+}
+TORCH_UNREAD = ("row_var", "col_var")  # Adafactor's factored matrices: one value per row and column, not read (as live)
+MODEL_BUFFERS = ("running_mean", "running_var")  # floating tensors of a model state_dict that no optimizer holds
+HF_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+MONITOR_CALLBACK = "StaleStateCallback"  # the Lightning callback's state keys start with its class name
 
 
+class SavedStateError(ValueError):
+    """A saved state or checkpoint this reader cannot use; the message says what was expected and what was found."""
+
+    def __init__(self, expected: str, found: str) -> None:
+        super().__init__(f"{expected}, found {found}")
+
+
+# -- one optimizer's state_dict --------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class SavedParam:
+    """One parameter's saved state: its slots (m before v, as the live adapters list them) and its step counter."""
+
+    index: int  # position in the optimizer's param groups: the live monitor's unit key is f"opt<i>.{index}"
+    slots: list[Slot]
+    step: int | None
+    shape: tuple[int, ...] | None  # None where the state does not show it (QuantizedAdamW's packed fp4 codes)
+
+
+@dataclass(eq=False)
+class SavedOptimizer:
+    """The parameters with state of one saved optimizer, in param-group order."""
+
+    family: str  # the live adapters' family names: torch.optim, bitsandbytes, torchao, lightning_stale
+    params: list[SavedParam]
+    idents: list[int | str]  # every parameter of the param groups, in order, with state or not
+    groups: list[Mapping[str, Any]]
+
+
+def is_optimizer_state(value: Any) -> bool:
+    """Whether ``value`` looks like an optimizer ``state_dict``."""
+    return isinstance(value, Mapping) and isinstance(value.get("state"), Mapping) \
+        and isinstance(value.get("param_groups"), (list, tuple))
+
+
+def read_optimizer(state_dict: Any, shapes: Mapping[int, tuple[int, ...]] | None = None) -> SavedOptimizer:
+    """Every stored moment of every parameter of an optimizer ``state_dict``, as slots. ``shapes`` gives parameter
+    shapes (by position) that the state does not show. SavedStateError for anything else or an unknown family."""
+    if not is_optimizer_state(state_dict):
+        raise SavedStateError("an optimizer state_dict (a mapping with 'state' and 'param_groups')",
+                              describe(state_dict))
+    groups = list(state_dict["param_groups"])
+    idents = [pid for group in groups for pid in group.get("params", [])]
+    group_of = {pid: group for group in groups for pid in group.get("params", [])}
+    entries = {pid: _flat(entry) for pid, entry in state_dict["state"].items() if isinstance(entry, Mapping) and entry}
+    family = _family(entries, groups)
+    params = []
+    for index, pid in enumerate(idents):
+        entry = entries.get(pid, entries.get(str(pid)))  # a distributed checkpoint turns integer keys into strings
+        if entry is not None:
+            params.append(_BUILDERS[family](index, entry, group_of[pid], (shapes or {}).get(index)))
+    return SavedOptimizer(family, params, idents, groups)
+
+
+def _flat(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's saved entry with bitsandbytes' nested quantization state merged in."""
+    nested = entry.get(BNB_NESTED_KEY)
+    return {**entry, **nested} if isinstance(nested, Mapping) else dict(entry)
+
+
+def _is_torchao(value: Any) -> bool:
+    return isinstance(value, Tensor) and hasattr(value, "codes") and hasattr(value, "scale")
+
+
+def _family(entries: Mapping[Any, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> str:
+    if not entries:
+        return "torch.optim"  # no parameter has state: nothing to read, whatever the family
+    keys = {key for entry in entries.values() for key in entry}
+    if any("state_format" in group for group in groups):
+        return "lightning_stale"
+    if "state1" in keys:
+        if "state2" not in keys:
+            raise SavedStateError("an optimizer state of a two-state bitsandbytes optimizer (Adam, AdamW, LAMB, "
+                                  "AdEMAMix)", "a one-state bitsandbytes state ('state1' only: Lion, SGD, RMSprop or "
+                                  "Adagrad, which the saved state does not tell apart)")
+        return "bitsandbytes"
+    if any(_is_torchao(value) for entry in entries.values() for value in entry.values()):
+        return "torchao"
+    if keys & {*TORCH_MOMENTS, *TORCH_UNREAD}:
+        return "torch.optim"
+    raise SavedStateError(f"an optimizer state of a known family ({FAMILIES})",
+                          f"an optimizer state with keys {sorted(map(str, keys))}")
+
+
+def _stand_in(shape: Sequence[int]) -> Tensor:
+    """A parameter-shaped placeholder without storage (one element, expanded): slots take their element count and
+    sample positions from their parameter's shape, and read nothing from it."""
+    return torch.zeros(()).expand(*shape)
+
+
+def _step(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _torch_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any],
+                 shape: tuple[int, ...] | None) -> SavedParam:
+    from lightning_stale.adapters.torch_optim import float_slot
+
+    present = [key for key in TORCH_MOMENTS if isinstance(entry.get(key), Tensor)]
+    shape = tuple(entry[present[0]].shape) if present else shape
+    stand_in = _stand_in(shape or (0,))
+    slots: list[Slot] = []
+    for key in present:
+        moment, beta_key, beta_index = TORCH_MOMENTS[key]
+        beta = group.get(beta_key) if beta_key is not None else None
+        beta = beta[beta_index] if beta is not None and beta_index is not None else beta
+        slots.append(float_slot(stand_in, entry, key, moment, None if beta is None else float(beta)))
+    return SavedParam(index, slots, _step(entry.get("step")), shape)
+
+
+def _torchao_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any],
+                   shape: tuple[int, ...] | None) -> SavedParam:
+    from lightning_stale.adapters.torchao import KEYS, buffer_slot
+
+    shape = tuple(entry["exp_avg"].shape)
+    stand_in = _stand_in(shape)
+    slots = [buffer_slot(stand_in, entry[key], key, moment, float(group["betas"][beta_index]))
+             for key, moment, beta_index in KEYS]
+    return SavedParam(index, slots, _step(entry.get("step")), shape)
+
+
+def _bnb_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any],
+               shape: tuple[int, ...] | None) -> SavedParam:
+    betas = [float(b) for b in group["betas"]]
+    first, second = entry["state1"], entry["state2"]
+    shape = tuple(second.shape)
+    stand_in = _stand_in(shape)
+    # AdEMAMix stacks its fast and slow EMA in state1 (and absmax1); Adam, AdamW and LAMB keep one m there
+    layout = (("state1", 0, "m", 0), ("state1", 1, "m", 2), ("state2", None, "v", 1)) \
+        if first.numel() == 2 * second.numel() else (("state1", None, "m", 0), ("state2", None, "v", 1))
+    slots: list[Slot] = []
+    for key, half, moment, beta_index in layout:
+        stored = entry[key] if half is None else entry[key][half]
+        name = key if half is None else f"{key}[{half}]"
+        if stored.dtype == torch.uint8:
+            scale = entry[f"absmax{key[-1]}"]
+            scale = (scale if half is None else scale[half]).reshape(-1)
+            slots.append(BlockQmapSlot(stand_in, moment, betas[beta_index], "int8_dynamic", name, stored=stored,
+                                       scale=scale, qmap=entry[f"qmap{key[-1]}"],
+                                       block_size=_block_size(stored.numel(), scale.numel())))
+        else:
+            slots.append(FloatSlot(stand_in, moment, betas[beta_index], "fp32", name, tensor=stored))
+    return SavedParam(index, slots, _step(entry.get("step")), shape)
+
+
+def _block_size(numel: int, blocks: int) -> int:
+    """The power-of-two block size that splits ``numel`` elements into ``blocks`` blocks."""
+    size = 2 ** math.ceil(math.log2(max(1, math.ceil(numel / blocks))))
+    if math.ceil(numel / size) != blocks:
+        raise SavedStateError("bitsandbytes block-wise 8-bit codes",
+                              f"{numel} elements in {blocks} blocks (no power-of-two block size fits)")
+    return size
+
+
+def _quantized_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any],
+                     shape: tuple[int, ...] | None) -> SavedParam:
+    from lightning_stale.adapters.quantized import KEYS, format_slot
+    from lightning_stale.formats import QuantizedState, get_format
+
+    names = group.get("state_format", {})
+    formats = {}
+    for moment, key in KEYS.items():
+        name = names.get(moment) if isinstance(names, Mapping) else names
+        if name is None or (entry[key].dtype == torch.float32 and name != "fp32"):
+            name = "fp32"  # parameters below min_quantized_size are stored in fp32
+        formats[moment] = name
+    shown = [entry[KEYS[m]].shape for m in KEYS if formats[m] != "fp4"]  # fp4 packs its codes into a flat tensor
+    shape = tuple(shown[0]) if shown else shape
+    # without a shape, an odd fp4 tensor contributes one padding element
+    numel = math.prod(shape) if shape is not None else 2 * entry[KEYS["v"]].numel()
+    stand_in = _stand_in(shape or (numel,))
+    slots = []
+    for (moment, key), beta in zip(KEYS.items(), group["betas"]):
+        q = QuantizedState(entry[key], entry.get(f"{key}_scale"), torch.Size(shape or (numel,)))
+        slots.append(format_slot(stand_in, moment, float(beta), get_format(formats[moment], signed=moment == "m"), q))
+    return SavedParam(index, slots, _step(entry.get("step_v")), shape)
+
+
+_BUILDERS: dict[str, Callable[..., SavedParam]] = {
+    "torch.optim": _torch_param, "torchao": _torchao_param, "bitsandbytes": _bnb_param,
+    "lightning_stale": _quantized_param,
+}
+
+
+def grid_end_masks(slot: Slot) -> tuple[Tensor, Tensor] | None:
+    """Flat bool masks of the elements stored at the smallest non-zero magnitude and at the largest magnitude of their
+    grid (before the block's scale: the codes next to zero, and the saturated or block-maximum codes); None for a
+    layout without a known grid."""
+    if isinstance(slot, BlockQmapSlot):  # and Packed4bitSlot: codes into a map
+        magnitudes = slot.qmap.detach().abs().float().cpu()
+        bottom = magnitudes == magnitudes[magnitudes > 0].min()
+        top = magnitudes == magnitudes.max()
+        codes = slot.codes().reshape(-1).long().cpu()
+        return bottom[codes], top[codes]
+    stored = slot.stored if isinstance(slot, BlockFp8Slot) else slot.tensor if isinstance(slot, FloatSlot) else None
+    if stored is None or not stored.is_floating_point():
+        return None
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[stored.dtype.itemsize]
+    smallest = float(torch.ones(1, dtype=bits).view(stored.dtype).float())  # the smallest subnormal
+    magnitudes = stored.detach().reshape(-1).float().abs()
+    return magnitudes == smallest, magnitudes == torch.finfo(stored.dtype).max
+
+
+# -- what period --state reads -----------------------------------------------------------------------------------------
 def load_v_sample(path: str, limit: int = 1_000_000, seed: int = 0) -> tuple[Tensor, Tensor, float | None, str]:
-    """Load ``path`` (CPU, ``weights_only``) and return :func:`v_sample` of it; ValueError if it cannot be loaded."""
+    """:func:`v_sample` of every optimizer in the checkpoint at ``path`` (:func:`load_checkpoint`); ValueError
+    naming the state when it cannot be read."""
     try:
-        state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as first:  # torchao's tensor subclasses load once torchao has registered them as safe globals
-        try:
-            import torchao.optim  # noqa: F401
-
-            state_dict = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception:
-            raise ValueError(f"state: cannot load {path!r}: {first}") from None
-    return v_sample(state_dict, limit, seed)
+        checkpoint = load_checkpoint(path)
+        return v_sample(checkpoint.optimizers, limit, seed)
+    except SavedStateError as error:
+        raise ValueError(f"state: {error}") from None
 
 
-def v_sample(
-    state_dict: Mapping[str, Any], limit: int = 1_000_000, seed: int = 0
-) -> tuple[Tensor, Tensor, float | None, str]:
-    """(values, spacing, beta2 or None, description) of the stored v of every parameter in an optimizer state_dict.
+def v_sample(state_dicts: Sequence[Mapping[str, Any]], limit: int = 1_000_000,
+             seed: int = 0) -> tuple[Tensor, Tensor, float | None, str]:
+    """(values, spacing, beta2 or None, description) of the stored v of every parameter of optimizer state_dicts.
 
     fp32 states (small parameters that 8-bit optimizers keep in fp32) are left out when any low-precision state
     exists: their tiny spacing would dominate the harmonic mean of the grid estimate. At most ``limit`` elements are
-    kept (a uniform random subset, seeded). Raises ValueError when no second moment with a known layout is found.
+    kept (a uniform random subset, seeded). SavedStateError when no second moment is found.
     """
-    if not isinstance(state_dict, Mapping) or "state" not in state_dict:
-        raise ValueError("state must be an optimizer state_dict (a mapping with 'state' and 'param_groups')")
-    groups = state_dict.get("param_groups", [])
-    group_of = {pid: g for g in groups for pid in g.get("params", [])}
-    found = [_v_slot(entry, group_of.get(pid, {})) for pid, entry in state_dict["state"].items()]
-    found = [f for f in found if f is not None]
+    optimizers = [read_optimizer(state_dict) for state_dict in state_dicts]
+    found = [(slot, _describe(optimizer.family, slot)) for optimizer in optimizers for param in optimizer.params
+             for slot in param.slots if slot.moment == "v" and slot.beta is not None]  # EMAs of g**2 only
     if not found:
-        raise ValueError("state has no second moment in a known layout (QuantizedAdamW exp_avg_sq, bitsandbytes "
-                         "state2, torchao exp_avg_sq, or a float exp_avg_sq)")
-    kept = [(slot, kind) for slot, kind in found if not kind.endswith(("fp32", "float32"))] or found
+        raise SavedStateError("a second moment (QuantizedAdamW exp_avg_sq, bitsandbytes state2, torchao exp_avg_sq, "
+                              "or a float exp_avg_sq)", "an optimizer state without one")
+    kept = [(slot, kind) for slot, kind in found if slot.format != "fp32"] or found
     v = torch.cat([slot.value().reshape(-1).float() for slot, _ in kept])
     u = torch.cat([slot.spacing().reshape(-1).float() for slot, _ in kept])
     described = ", ".join(sorted({kind for _, kind in kept}))
@@ -62,60 +282,273 @@ def v_sample(
     if v.numel() > limit:
         keep = torch.randperm(v.numel(), generator=torch.Generator().manual_seed(seed))[:limit]
         v, u = v[keep], u[keep]
-    betas = groups[0].get("betas") if groups else None
-    beta2 = float(betas[1]) if betas is not None else None
-    return v, u, beta2, described
+    betas = next((o.groups[0].get("betas") for o in optimizers if o.groups), None)
+    return v, u, float(betas[1]) if betas is not None else None, described
 
 
-def _stand_in(numel: int) -> Tensor:
-    """A parameter-shaped placeholder (no storage): slots take their element count from their parameter."""
-    return torch.empty(numel, device="meta")
+def _describe(family: str, slot: Slot) -> str:
+    """How ``period --state`` names a stored v: its library and format."""
+    if family == "bitsandbytes":
+        return "bitsandbytes 8-bit" if slot.format == "int8_dynamic" else f"bitsandbytes {slot.format}"
+    if family == "torchao" and not isinstance(slot, FloatSlot):
+        return {"int8_dynamic": "torchao 8-bit", "fp8_e4m3": "torchao fp8"}.get(slot.format, "torchao 4-bit")
+    if family == "lightning_stale":
+        return f"QuantizedAdamW {slot.format}"
+    return f"torch {str(slot.tensor.dtype).removeprefix('torch.')}"
 
 
-def _v_slot(entry: Mapping[str, Any], group: Mapping[str, Any]) -> tuple[Slot, str] | None:
-    """The slot reading the stored v of one saved parameter entry, with a description; None for other layouts."""
-    if BNB_NESTED_KEY in entry:
-        entry = {**entry, **entry[BNB_NESTED_KEY]}
-    if "state2" in entry and "qmap2" in entry and entry["state2"].dtype == torch.uint8:
-        codes, absmax = entry["state2"], entry["absmax2"]
-        slot = BlockQmapSlot(_stand_in(codes.numel()), "v", None, "int8_dynamic", "state2", stored=codes,
-                             scale=absmax.reshape(-1), qmap=entry["qmap2"],
-                             block_size=_block_size(codes.numel(), absmax.numel()))
-        return slot, "bitsandbytes 8-bit"
-    if "exp_avg_sq_scale" in entry or ("state_format" in group and "exp_avg_sq" in entry):
-        return _quantized_adamw(entry, group)
-    v = entry.get("exp_avg_sq", entry.get("state2"))
-    if v is None:
+# -- checkpoints -------------------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class MonitorPart:
+    """One optimizer's part of a saved monitor state (version 3 layout: steps, schedule, interventions, ...)."""
+
+    state: Mapping[str, Any]
+    index: int  # the optimizer's index inside its monitor: the prefix of its unit keys, f"opt{index}"
+    source: str  # where the monitor state was found
+    policy: str | None
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    """What a checkpoint holds for a staleness report."""
+
+    kind: str
+    optimizers: list[Mapping[str, Any]]  # optimizer state_dicts
+    # candidate orders of the model's parameters as (name, shape), each with where it comes from, best first
+    orders: list[tuple[str, list[tuple[str, tuple[int, ...]]]]] = field(default_factory=list)
+    monitors: list[MonitorPart | None] = field(default_factory=list)  # per optimizer
+    step: int | None = None  # the training loop's step (Lightning global_step, Hugging Face global_step)
+    notes: list[str] = field(default_factory=list)
+
+
+def describe(value: Any) -> str:
+    """A few words on what ``value`` is, for messages."""
+    if isinstance(value, Mapping):
+        keys = [str(key) for key in value]
+        shown = ", ".join(repr(key) for key in keys[:10]) + (f", ... ({len(keys)} keys)" if len(keys) > 10 else "")
+        return f"a dict with keys [{shown}]" if keys else "an empty dict"
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def load_checkpoint(path: str | Path, trusted: bool = False) -> Checkpoint:
+    """The optimizer state_dicts, parameter names and monitor state saved at ``path`` (a file or a folder).
+    ``trusted`` unpickles files without ``weights_only`` (it runs code from the file). SavedStateError otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / ".metadata").is_file():
+            return _distributed(path, trusted)
+        if (path / "optimizer.pt").is_file():
+            return _hugging_face(path, trusted)
+        names = sorted(p.name for p in path.iterdir())
+        if any(name in HF_MODEL_FILES or name == "config.json" for name in names):
+            found = "a Hugging Face model folder without optimizer.pt (model weights only)"
+        else:
+            found = f"a folder holding {_listing(names)}" if names else "an empty folder"
+        raise SavedStateError("a checkpoint folder (a Hugging Face checkpoint with optimizer.pt, or a distributed "
+                              "checkpoint with .metadata)", f"{found}: {str(path)!r}")
+    if not path.exists():
+        raise SavedStateError("a checkpoint file or folder", f"nothing at {str(path)!r}")
+    return _from_object(load_file(path, trusted), "a torch.save'd dict")
+
+
+def _listing(names: Sequence[str]) -> str:
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+def load_file(path: Path, trusted: bool = False) -> Any:
+    """``torch.load`` of a checkpoint file on the CPU, weights only unless ``trusted`` (torchao's tensor subclasses are
+    allowed once torchao is imported, which happens quietly when the file needs it)."""
+    with path.open("rb") as file:
+        kind = _file_kind(file.read(64))
+    if kind is not None:
+        raise SavedStateError("a checkpoint written by torch.save", f"{kind}: {str(path)!r}")
+    try:
+        return _torch_load(path, trusted)
+    except Exception as first:  # noqa: BLE001 - every failure becomes a message; torchao's subclasses get a retry
+        needed = re.search(r"GLOBAL ([\w.]+)", str(first))
+        if needed is not None and needed.group(1).startswith("torchao."):
+            try:
+                _compat.import_torchao_optim()
+                return _torch_load(path, trusted)
+            except ImportError:
+                raise SavedStateError("a checkpoint whose classes are installed", f"torchao optimizer states in "
+                                      f"{str(path)!r}, and torchao is not installed") from None
+        if needed is not None:
+            raise SavedStateError("a checkpoint that torch.load reads with weights_only=True",
+                                  f"a pickle that needs {needed.group(1)} ({str(path)!r}); pass --trusted to unpickle "
+                                  "it anyway if you trust the file (it runs code from it)") from None
+        raise SavedStateError("a checkpoint written by torch.save",
+                              f"a file torch.load cannot read ({type(first).__name__}: {_first_line(first)}): "
+                              f"{str(path)!r}") from None
+
+
+def _torch_load(path: Path, trusted: bool) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=not trusted)
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)[:200]
+
+
+def _file_kind(head: bytes) -> str | None:
+    """What a file that torch.load cannot read is, from its first bytes; None for a zip archive or a pickle."""
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
         return None
-    if hasattr(v, "codes") and hasattr(v, "scale"):
-        from lightning_stale.adapters.torchao import buffer_slot  # only torchao states get here
-
-        slot = buffer_slot(_stand_in(v.numel()), v, "exp_avg_sq", "v", 0.0)
-        return slot, {"int8_dynamic": "torchao 8-bit", "fp8_e4m3": "torchao fp8"}.get(slot.format, "torchao 4-bit")
-    if isinstance(v, Tensor) and v.is_floating_point() and v.dtype.itemsize >= 2:
-        return FloatSlot(_stand_in(v.numel()), "v", None, str(v.dtype), "exp_avg_sq", tensor=v.detach()), \
-            f"torch {str(v.dtype).removeprefix('torch.')}"
-    return None
-
-
-def _block_size(numel: int, blocks: int) -> int:
-    """The power-of-two block size that splits ``numel`` elements into ``blocks`` blocks."""
-    size = 2 ** math.ceil(math.log2(max(1, math.ceil(numel / blocks))))
-    if math.ceil(numel / size) != blocks:
-        raise ValueError(f"cannot infer a block size for {numel} elements in {blocks} blocks")
-    return size
+    if not head:
+        return "an empty file"
+    if len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > 0:
+        return "a safetensors file (tensors only: model weights, no optimizer state)"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"a binary file that is neither a zip archive nor a pickle (it starts with {head[:8]!r})"
+    return f"a text file (it starts with {head[:24].decode('utf-8', 'replace')!r})"
 
 
-def _quantized_adamw(entry: Mapping[str, Any], group: Mapping[str, Any]) -> tuple[Slot, str]:
-    from lightning_stale.adapters.quantized import format_slot
-    from lightning_stale.formats import QuantizedState, get_format
+def _from_object(obj: Any, kind: str) -> Checkpoint:
+    """A checkpoint from a loaded object: a Lightning checkpoint, an optimizer state_dict, or a dict holding them
+    (``kind`` names such a dict)."""
+    if not isinstance(obj, Mapping):
+        raise SavedStateError(CHECKPOINT, describe(obj))
+    if is_optimizer_state(obj):
+        return Checkpoint("an optimizer state_dict", [obj])
+    if "pytorch-lightning_version" in obj or "optimizer_states" in obj:
+        return _lightning(obj, list(obj.get("optimizer_states") or []), "a Lightning checkpoint")
+    optimizers = [(str(key), value) for key, value in _values(obj) if is_optimizer_state(value)]
+    if not optimizers:
+        raise SavedStateError(CHECKPOINT, f"{describe(obj)} and no optimizer state in it")
+    checkpoint = Checkpoint(f"{kind} (optimizer state under {', '.join(repr(k) for k, _ in optimizers)})",
+                            [value for _, value in optimizers])
+    model = next(((str(key), value) for key, value in _values(obj) if _is_model_state(value)), None)
+    if model is not None:
+        checkpoint.orders.append((f"the model state_dict under {model[0]!r}", _model_order(model[1])))
+    checkpoint.monitors = _monitors_in(obj, len(optimizers), checkpoint.notes)
+    return checkpoint
 
-    names = group.get("state_format", {})
-    name = names.get("v") if isinstance(names, Mapping) else names
-    codes = entry["exp_avg_sq"]
-    if name is None or (codes.dtype == torch.float32 and name != "fp32"):
-        name = "fp32"  # parameters below min_quantized_size are stored in fp32
-    # fp4 packs two codes per byte; the shape is not saved, so an odd tensor contributes one padding element
-    numel = codes.numel() * 2 if name == "fp4" else codes.numel()
-    q = QuantizedState(codes, entry.get("exp_avg_sq_scale"), torch.Size([numel]))
-    return format_slot(_stand_in(numel), "v", 0.0, get_format(name, signed=False), q), f"QuantizedAdamW {name}"
+
+def _values(obj: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The top-level values of a dict, and the items of its top-level lists (``{"optimizers": [sd, sd]}``)."""
+    out = []
+    for key, value in obj.items():
+        if isinstance(value, (list, tuple)):
+            out += [(f"{key}[{i}]", item) for i, item in enumerate(value)]
+        else:
+            out.append((key, value))
+    return out
+
+
+def _is_model_state(value: Any) -> bool:
+    return isinstance(value, Mapping) and bool(value) and all(isinstance(k, str) for k in value) \
+        and all(isinstance(v, Tensor) for v in value.values())
+
+
+def _model_order(state_dict: Mapping[str, Tensor]) -> list[tuple[str, tuple[int, ...]]]:
+    """A model state_dict's floating tensors in saved order, without the normalization statistics no optimizer holds:
+    the optimizer order of its parameters when they all are in one optimizer, in ``named_parameters()`` order."""
+    return [(name, tuple(t.shape)) for name, t in state_dict.items()
+            if t.is_floating_point() and not name.endswith(MODEL_BUFFERS)]
+
+
+def _lightning(obj: Mapping[str, Any], optimizers: list[Any], kind: str) -> Checkpoint:
+    """A Lightning checkpoint: its optimizer states, the model order of its state_dict, the callback's state."""
+    if not optimizers:
+        raise SavedStateError("a checkpoint with optimizer state", "a Lightning checkpoint without 'optimizer_states' "
+                              "(saved with save_weights_only=True?)")
+    checkpoint = Checkpoint(kind, optimizers, step=_step(obj.get("global_step")))
+    if isinstance(obj.get("state_dict"), Mapping):
+        checkpoint.orders.append(("the checkpoint's state_dict", _model_order(obj["state_dict"])))
+    callbacks = obj.get("callbacks") or {}
+    states = [(key, value) for key, value in callbacks.items() if str(key).startswith(MONITOR_CALLBACK)]
+    if len(states) > 1:
+        checkpoint.notes.append(f"{len(states)} StaleStateCallback states saved; reading the first ({states[0][0]})")
+    checkpoint.monitors = _monitor_parts(states[0][1], states[0][0], len(optimizers), checkpoint.notes) \
+        if states else [None] * len(optimizers)
+    return checkpoint
+
+
+def _monitors_in(obj: Mapping[str, Any], count: int, notes: list[str]) -> list[MonitorPart | None]:
+    """The monitor state inside a torch.save'd dict: a ``StaleStateMonitor.state_dict()`` or the Fabric front-end's
+    ``{"steps", "monitors"}`` under any key."""
+    for key, value in obj.items():
+        if isinstance(value, Mapping) and "version" in value and "optimizers" in value:
+            return _monitor_parts(value, repr(key), count, notes)
+        if isinstance(value, Mapping) and isinstance(value.get("monitors"), (list, tuple)):
+            parts: list[MonitorPart | None] = []
+            for monitor in value["monitors"]:  # one per optimizer, in the order they first stepped
+                parts += _monitor_parts(monitor, repr(key), None, notes)
+            return _align(parts, count, notes)
+    return [None] * count
+
+
+def _monitor_parts(state: Any, source: str, count: int | None, notes: list[str]) -> list[MonitorPart | None]:
+    """One :class:`MonitorPart` per optimizer of a saved monitor state (upgraded to the current layout), aligned with
+    ``count`` optimizers when given; notes why a state cannot be read."""
+    from lightning_stale.state import upgrade
+
+    try:
+        state = upgrade(dict(state))
+    except (ValueError, TypeError) as error:
+        notes.append(f"monitor state under {source} not read: {error}")
+        return [None] * (count or 0)
+    policy = state.get("policy")
+    parts: list[MonitorPart | None] = [MonitorPart(part, i, source, policy)
+                                       for i, part in enumerate(state["optimizers"])]
+    return parts if count is None else _align(parts, count, notes)
+
+
+def _align(parts: list[MonitorPart | None], count: int, notes: list[str]) -> list[MonitorPart | None]:
+    if len(parts) != count:
+        notes.append(f"the monitor state tracks {len(parts)} optimizer(s), the checkpoint holds {count}: matched by "
+                     "order")
+    return (parts + [None] * count)[:count]
+
+
+def _hugging_face(folder: Path, trusted: bool) -> Checkpoint:
+    """A Hugging Face Trainer checkpoint folder: optimizer.pt beside the model files and trainer_state.json."""
+    optimizer = load_file(folder / "optimizer.pt", trusted)
+    if not is_optimizer_state(optimizer):
+        raise SavedStateError("an optimizer state_dict in optimizer.pt", describe(optimizer))
+    checkpoint = Checkpoint("a Hugging Face checkpoint folder", [optimizer])
+    checkpoint.orders += [(f"the model built from config.json ({how})", order)
+                          for how, order in zip(("the Trainer's parameter groups", "module order"),
+                                                _compat.hf_parameter_orders(folder))]
+    if (folder / "pytorch_model.bin").is_file():
+        model = load_file(folder / "pytorch_model.bin", trusted)
+        if _is_model_state(model):
+            checkpoint.orders.append(("pytorch_model.bin", _model_order(model)))
+    trainer_state = folder / "trainer_state.json"
+    saved = None
+    if trainer_state.is_file():
+        state = json.loads(trainer_state.read_text())
+        checkpoint.step = _step(state.get("global_step"))
+        entry = (state.get("stateful_callbacks") or {}).get("StaleStateHFCallback") or {}
+        entry = entry[0] if isinstance(entry, list) and entry else entry
+        saved = entry.get("attributes", {}).get("saved_state") if isinstance(entry, Mapping) else None
+    if saved:
+        from lightning_stale.state import from_json
+
+        checkpoint.monitors = _monitor_parts(from_json(saved), "trainer_state.json", 1, checkpoint.notes)
+    else:
+        checkpoint.monitors = [None]
+    return checkpoint
+
+
+def _distributed(folder: Path, trusted: bool) -> Checkpoint:
+    """A torch.distributed.checkpoint folder, loaded whole into this process; Lightning's ModelParallelStrategy layout
+    (``state_dict``, ``optimizer_<i>``, the rest in ``meta.pt``) or any dict holding optimizer states."""
+    try:
+        loaded = _compat.load_distributed_checkpoint(folder)
+    except RuntimeError as error:
+        raise SavedStateError("a distributed checkpoint this torch reads on one process", str(error)) from None
+    except Exception as error:  # noqa: BLE001 - a folder torch cannot read, whatever the reason
+        raise SavedStateError("a distributed checkpoint folder torch can read",
+                              f"{type(error).__name__}: {_first_line(error)} ({str(folder)!r})") from None
+    optimizer_keys = sorted((key for key in loaded if re.fullmatch(r"optimizer_\d+", str(key))),
+                            key=lambda key: int(key.split("_")[1]))
+    if optimizer_keys and "state_dict" in loaded:
+        meta = load_file(folder / "meta.pt", trusted) if (folder / "meta.pt").is_file() else {}
+        return _lightning({**meta, **loaded}, [loaded[key] for key in optimizer_keys],
+                          "a Lightning distributed checkpoint folder")
+    return _from_object(loaded, "a distributed checkpoint folder")

@@ -28,9 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--p-init", type=float, default=0.0,
                         help="stall floor right after a reset, for the startup windows (default: 0)")
     parser.add_argument("--state", default=None,
-                        help="a torch.save'd optimizer state_dict (lightning_stale QuantizedAdamW, bitsandbytes 8-bit, "
-                             "torchao low-bit, or torch Adam with bf16/fp16 states): estimate from its stored v "
-                             "(overrides --format)")
+                        help="a saved optimizer state (lightning_stale QuantizedAdamW, bitsandbytes 8-bit, torchao "
+                             "low-bit, or torch Adam with bf16/fp16 states): a torch.save'd state_dict or a checkpoint "
+                             "holding one, as `lightning-stale inspect` reads it; estimate from the stored v of every "
+                             "optimizer in it (overrides --format)")
 
 
 def run(args: argparse.Namespace) -> int:
