@@ -22,22 +22,23 @@ from adapter_checks import (  # noqa: E402
     make_params,
     run,
 )
+from helpers import make_optimizer  # noqa: E402
 from lightning_stale.adapters import adapter_for  # noqa: E402
 
 SHAPES = [(64, 64), (16,)]  # 4096 elements: 8-bit state; 16: below min_8bit_size, fp32 state
 LR = 1e-3
 
 OPTIMIZERS = {
-    "Adam8bit": (functools.partial(bnb.optim.Adam8bit, lr=LR), "mv"),
-    "AdamW8bit": (functools.partial(bnb.optim.AdamW8bit, lr=LR), "mv"),
-    "PagedAdam8bit": (functools.partial(bnb.optim.PagedAdam8bit, lr=LR), "mv"),
-    "PagedAdamW8bit": (functools.partial(bnb.optim.PagedAdamW8bit, lr=LR), "mv"),
-    "Lion8bit": (functools.partial(bnb.optim.Lion8bit, lr=LR), "m"),
-    "SGD8bit": (functools.partial(bnb.optim.SGD8bit, lr=LR, momentum=0.9), "m"),
-    "RMSprop8bit": (functools.partial(bnb.optim.RMSprop8bit, lr=LR), "v"),
-    "Adagrad8bit": (functools.partial(bnb.optim.Adagrad8bit, lr=LR), "v"),
-    "AdEMAMix8bit": (functools.partial(bnb.optim.AdEMAMix8bit, lr=LR), "mmv"),
-    "LAMB8bit": (functools.partial(bnb.optim.LAMB8bit, lr=LR), "mv"),
+    "Adam8bit": (functools.partial(make_optimizer, "bnb:Adam8bit", lr=LR), "mv"),
+    "AdamW8bit": (functools.partial(make_optimizer, "bnb:AdamW8bit", lr=LR), "mv"),
+    "PagedAdam8bit": (functools.partial(make_optimizer, "bnb:PagedAdam8bit", lr=LR), "mv"),
+    "PagedAdamW8bit": (functools.partial(make_optimizer, "bnb:PagedAdamW8bit", lr=LR), "mv"),
+    "Lion8bit": (functools.partial(make_optimizer, "bnb:Lion8bit", lr=LR), "m"),
+    "SGD8bit": (functools.partial(make_optimizer, "bnb:SGD8bit", lr=LR, momentum=0.9), "m"),
+    "RMSprop8bit": (functools.partial(make_optimizer, "bnb:RMSprop8bit", lr=LR), "v"),
+    "Adagrad8bit": (functools.partial(make_optimizer, "bnb:Adagrad8bit", lr=LR), "v"),
+    "AdEMAMix8bit": (functools.partial(make_optimizer, "bnb:AdEMAMix8bit", lr=LR), "mmv"),
+    "LAMB8bit": (functools.partial(make_optimizer, "bnb:LAMB8bit", lr=LR), "mv"),
 }
 
 

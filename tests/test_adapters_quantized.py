@@ -17,19 +17,15 @@ from adapter_checks import (
     make_params,
     run,
 )
+from helpers import make_optimizer
 from lightning_stale.adapters import adapter_for
 from lightning_stale.formats.base import unpack_nibbles
-from lightning_stale.optim import QuantizedAdamW
 
 SHAPES = [(64, 64), (16,)]  # 4096 elements: stored in the format; 16: below min_quantized_size, fp32
 FORMATS = ["int8_dynamic", "fp4", "fp8_e4m3", "bf16"]
-
-
 LR = 1e-3
-
-
-def _make(fmt: str):
-    return functools.partial(QuantizedAdamW, lr=LR, state_format=fmt, weight_decay=0.0)
+OPTIMIZERS = {fmt: functools.partial(make_optimizer, f"qadamw:{fmt}", lr=LR, weight_decay=0.0, min_quantized_size=4096)
+              for fmt in FORMATS}
 
 
 def _raw(fmt: str):
@@ -47,7 +43,7 @@ def _raw(fmt: str):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_slots_reads_and_format_dequantization(fmt: str) -> None:
     params = make_params(SHAPES)
-    opt = _make(fmt)(params)
+    opt = OPTIMIZERS[fmt](params)
     run(opt, params, range(2))
     adapter = adapter_for(opt)
     slots = adapter.slots()
@@ -64,22 +60,22 @@ def test_slots_reads_and_format_dequantization(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["int8_dynamic", "fp4", "bf16"])
 def test_codes_track_state(fmt: str) -> None:
-    check_codes_track_state(_make(fmt), make_params(SHAPES), _raw(fmt))
+    check_codes_track_state(OPTIMIZERS[fmt], make_params(SHAPES), _raw(fmt))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_full_reset_equals_fresh(fmt: str) -> None:
-    check_full_reset_is_fresh(_make(fmt), make_params(SHAPES))
+    check_full_reset_is_fresh(OPTIMIZERS[fmt], make_params(SHAPES))
 
 
 def test_reset_only_chosen_params_and_load() -> None:
-    check_partial_params(_make("int8_dynamic"), make_params(SHAPES))
-    check_survives_load(_make("int8_dynamic"), make_params(SHAPES))
+    check_partial_params(OPTIMIZERS["int8_dynamic"], make_params(SHAPES))
+    check_survives_load(OPTIMIZERS["int8_dynamic"], make_params(SHAPES))
 
 
 def test_exact_v_only_reset_restarts_v_age_only() -> None:
     params = make_params(SHAPES)
-    opt = _make("int8_dynamic")(params)
+    opt = OPTIMIZERS["int8_dynamic"](params)
     run(opt, params, range(4))
     m = [opt.state[p]["exp_avg"].clone() for p in params]
     adapter_for(opt).reset_exact(["v"])
@@ -91,7 +87,7 @@ def test_exact_v_only_reset_restarts_v_age_only() -> None:
 
 @pytest.mark.parametrize("state_format", ["int8_dynamic", "fp8_e4m3", "fp4", "bf16"])
 def test_v_only_reset_is_bounded_by_default_and_the_exact_one_is_not(state_format: str) -> None:
-    make = _make(state_format)
+    make = OPTIMIZERS[state_format]
     bounded = first_update_ratio(make, make_params(SHAPES), LR, lambda opt: adapter_for(opt).reset(["v"]))
     exact = first_update_ratio(make, make_params(SHAPES), LR, lambda opt: adapter_for(opt).reset_exact(["v"]))
     assert bounded <= 1.0 + 1e-3  # the next update is at most a first Adam step

@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-torchao_optim = pytest.importorskip("torchao.optim")
+pytest.importorskip("torchao.optim")
 
 from adapter_checks import (  # noqa: E402
     check_codes_track_state,
@@ -21,6 +21,7 @@ from adapter_checks import (  # noqa: E402
     make_params,
     run,
 )
+from helpers import make_optimizer  # noqa: E402
 from lightning_stale.adapters import adapter_for  # noqa: E402
 
 SHAPES = [(32, 128), (16,)]  # 4096 elements: quantized; 16: plain fallback in the parameter's dtype
@@ -31,14 +32,11 @@ FORMATS = {
     "Fp8": ("fp8_e4m3", "fp8_e4m3"),
 }
 OPTIMIZERS = {
-    f"{kind}{bits}": getattr(torchao_optim, f"{kind}{bits}") for bits in FORMATS for kind in ("Adam", "AdamW")
+    f"{kind}{bits}": functools.partial(make_optimizer, f"torchao:{kind}{bits}", lr=LR)
+    for bits in FORMATS for kind in ("Adam", "AdamW")
 }
 
 pytestmark = pytest.mark.slow  # ~ 1-2 min of torch.compile on a cold cache
-
-
-def _make(name: str, **kwargs):
-    return functools.partial(OPTIMIZERS[name], lr=LR, **kwargs)
 
 
 def _raw(state: dict, key: str) -> torch.Tensor:
@@ -57,7 +55,7 @@ def _raw(state: dict, key: str) -> torch.Tensor:
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_slots_reads_and_library_dequantization(name: str) -> None:
     params = make_params(SHAPES)
-    opt = _make(name)(params)
+    opt = OPTIMIZERS[name](params)
     run(opt, params, range(2))
     adapter = adapter_for(opt)
     slots = adapter.slots()
@@ -76,17 +74,17 @@ def test_slots_reads_and_library_dequantization(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
 def test_codes_track_state(name: str) -> None:
-    check_codes_track_state(_make(name), make_params(SHAPES), _raw)
+    check_codes_track_state(OPTIMIZERS[name], make_params(SHAPES), _raw)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_full_reset_equals_fresh(name: str) -> None:
-    check_full_reset_is_fresh(_make(name), make_params(SHAPES))
+    check_full_reset_is_fresh(OPTIMIZERS[name], make_params(SHAPES))
 
 
 def test_full_reset_keeps_step_and_lr_tensors() -> None:
     params = make_params(SHAPES)
-    opt = _make("AdamW8bit")(params)
+    opt = OPTIMIZERS["AdamW8bit"](params)
     run(opt, params, range(2))
     step, lr = opt.state[params[0]]["step"], opt.param_groups[0]["lr"]
     adapter_for(opt).reset()
@@ -96,17 +94,17 @@ def test_full_reset_keeps_step_and_lr_tensors() -> None:
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit"])
 def test_reset_only_chosen_params(name: str) -> None:
-    check_partial_params(_make(name), make_params(SHAPES))
+    check_partial_params(OPTIMIZERS[name], make_params(SHAPES))
 
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamWFp8"])
 def test_survives_load_state_dict(name: str) -> None:
-    check_survives_load(_make(name), make_params(SHAPES))
+    check_survives_load(OPTIMIZERS[name], make_params(SHAPES))
 
 
 @pytest.mark.parametrize("name", ["Adam8bit", "Adam4bit", "AdamFp8"])
 def test_v_only_reset_first_update_is_bounded(name: str) -> None:
-    make = _make(name)
+    make = OPTIMIZERS[name]
     safe = first_update_ratio(make, make_params(SHAPES), LR, lambda opt: adapter_for(opt).reset(["v"]))
     assert safe <= 1.0 + 1e-3
 

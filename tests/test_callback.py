@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from conftest import Regression, fit, logged
+from helpers import Regression, fit, logged
 from lightning_stale import StaleStateCallback
 from lightning_stale.policies import AdaptiveReset, PeriodicReset, ResetPolicy, TheoryReset
 

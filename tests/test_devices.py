@@ -10,22 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import Regression, make_optimizer, trainer_for
+from helpers import Regression, make_optimizer, trainer_for
 from lightning_stale import StaleStateCallback, StaleStateMonitor
 from lightning_stale.adapters import adapter_for
 from lightning_stale.guard import guard_underflow
 from lightning_stale.optim import QuantizedAdamW
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
-
-
-def optimizer(kind: str, params) -> torch.optim.Optimizer:
-    """The shared optimizer of ``kind`` with bitsandbytes 8-bit from 256 elements on and QuantizedAdamW eager."""
-    if kind == "bnb":
-        return make_optimizer(kind, params, min_8bit_size=256)
-    if kind.startswith("qadamw:"):
-        return make_optimizer(kind, params, compile=False)
-    return make_optimizer(kind, params)
 
 
 def steps(model: nn.Module, opt, n: int, device) -> None:
@@ -61,7 +52,8 @@ def test_resets_in_place_on_the_device(kind, moments, device):
         pytest.skip("torchao's CPU step compiles for minutes; covered by tests/test_adapters_torchao.py")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 16)).to(device)
-    opt = optimizer(kind, model.parameters())
+    # bitsandbytes 8-bit from 256 elements on, QuantizedAdamW eager
+    opt = make_optimizer(kind, model.parameters(), min_8bit_size=256, compile=False)
     steps(model, opt, 3, device)
     pointers = {k: v.data_ptr() for s in opt.state.values() for k, v in s.items() if isinstance(v, torch.Tensor)}
     adapter = adapter_for(opt)

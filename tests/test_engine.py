@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import make_optimizer
 from lightning_stale import StaleStateMonitor
 from lightning_stale.adapters import adapter_for
 from lightning_stale.counting import COUNTED, STALLED
@@ -18,22 +19,8 @@ from lightning_stale.engine import StallEngine
 from lightning_stale.optim import QuantizedAdamW
 
 LR = 1e-3
-
-
-def make(kind: str, params, device) -> torch.optim.Optimizer:
-    if kind == "bnb":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=LR, min_8bit_size=256)
-    if kind == "torch_bf16":
-        return torch.optim.AdamW(params, lr=LR)
-    if kind.startswith("torchao"):
-        from torchao.optim import AdamW4bit, AdamW8bit
-
-        return (AdamW4bit if kind.endswith("4bit") else AdamW8bit)(params, lr=LR, block_size=128 if "4" in kind else 256)
-    fmt = kind.split(":")[1]  # "fp4" for both moments, or "m_format/v_format"
-    state_format = dict(zip(("m", "v"), fmt.split("/"))) if "/" in fmt else fmt
-    return QuantizedAdamW(params, lr=LR, state_format=state_format, min_quantized_size=256, compile=False)
+# 8-bit and quantized states from 256 elements on, QuantizedAdamW eager; torchao keeps its default block sizes
+OPTIMIZER_OPTIONS = {"lr": LR, "min_8bit_size": 256, "min_quantized_size": 256, "compile": False}
 
 
 def layers(widths, device, dtype=torch.float32) -> nn.Module:
@@ -61,7 +48,7 @@ def state_codes(opt, p) -> dict[str, torch.Tensor]:
     return out
 
 
-KINDS = ["bnb", "torch_bf16", "torchao8bit", "torchao4bit", "qadamw:fp8_e4m3", "qadamw:fp4", "qadamw:int8_dynamic",
+KINDS = ["bnb", "torch_bf16", "torchao", "torchao:AdamW4bit", "qadamw:fp8_e4m3", "qadamw:fp4", "qadamw:int8_dynamic",
          "qadamw:fp4/fp32", "qadamw:bf16/fp4"]  # per-moment formats: packed and plain rows in one batch
 
 
@@ -73,7 +60,7 @@ def test_exact_counts_equal_clone_and_compare_on_every_step(kind, widths, device
         pytest.importorskip("torchao")
     dtype = torch.bfloat16 if kind == "torch_bf16" else torch.float32
     model = layers(widths, device, dtype)  # a mean of 3K elements per parameter (scan), of 62K (slot by slot)
-    opt = make(kind, model.parameters(), device)
+    opt = make_optimizer(kind, model.parameters(), **OPTIMIZER_OPTIONS)
     engine = StallEngine(adapter_for(opt), "opt0", exact=True, sample_size=4096, params_per_step=32,
                          coverage_steps=50, seed=0)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -153,7 +140,7 @@ def hooks_cost(tensors: int, kind: str, **options) -> tuple[int, int]:
     step without it (the optimizer's own work is the same on both)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(tensors // 2)])
-    opt = make(kind, model.parameters(), "cpu") if kind != "torch" else torch.optim.AdamW(model.parameters())
+    opt = make_optimizer(kind, model.parameters(), **OPTIMIZER_OPTIONS)
     monitor = StaleStateMonitor(opt, params_per_step=8, coverage_steps=10_000, **options)
     warm = tensors // 8 + 3  # every cohort measured once: one-off grid estimates are behind us
     counters = []

@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-import bitsandbytes as bnb
 import lightning as L
 import pytest
 import torch
@@ -17,6 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers import make_optimizer
 from lightning_stale import StaleStateCallback, StaleStateMonitor
 from lightning_stale.fabric import StaleStateFabricCallback
 from lightning_stale.factory import ENV_VAR
@@ -33,10 +33,6 @@ def network() -> nn.Module:
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(8, 32, generator=g), torch.randn(8, 8, generator=g)) for _ in range(STEPS)]
-
-
-def optimizer(params) -> torch.optim.Optimizer:
-    return bnb.optim.AdamW8bit(params, lr=1e-3, min_8bit_size=256)
 
 
 class Probe:
@@ -73,7 +69,7 @@ def read_csv(path: Path, key: str) -> list[float]:
 
 def run_plain() -> tuple[list[dict], Probe]:
     model = network()
-    opt = optimizer(model.parameters())
+    opt = make_optimizer("bnb", model.parameters(), min_8bit_size=256)
     probe = Probe(opt)
     monitor = StaleStateMonitor(opt, names=model, coverage_steps=EVERY, **OPTIONS)
     rows = []
@@ -91,7 +87,7 @@ def run_fabric(tmp_path: Path, callback: StaleStateFabricCallback | None) -> tup
     fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[callback] if callback else None,
                       loggers=FabricCSVLogger(tmp_path, name="fabric", version=0))
     model = network()
-    opt = optimizer(model.parameters())
+    opt = make_optimizer("bnb", model.parameters(), min_8bit_size=256)
     probe = Probe(opt)
     model, opt = fabric.setup(model, opt)
     for x, y in batches():
@@ -117,7 +113,7 @@ class Module(L.LightningModule):
         return DataLoader(TensorDataset(torch.cat(x), torch.cat(y)), batch_size=8)
 
     def configure_optimizers(self):
-        opt = optimizer(self.parameters())
+        opt = make_optimizer("bnb", self.parameters(), min_8bit_size=256)
         self.probe = Probe(opt)
         return opt
 

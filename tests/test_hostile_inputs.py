@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from conftest import Regression, fit, logged, make_optimizer, trainer_for
+from helpers import Regression, fit, logged, make_optimizer, trainer_for
 from lightning_stale import StaleStateCallback
 from lightning_stale.policies import PeriodicReset
 
@@ -22,7 +22,7 @@ LR = 1e-3
 
 class Net(Regression):
     """Linear(32, 128) -> ReLU -> Linear(128, 4) on 64 samples in batches of 4 (the first weight has 4096 elements:
-    8-bit state everywhere); ``kind`` picks the optimizer (:func:`conftest.make_optimizer`)."""
+    8-bit state everywhere); ``kind`` picks the optimizer (:func:`helpers.make_optimizer`)."""
 
     def __init__(self, kind: str = "bnb") -> None:
         super().__init__(kind, width=128, data_size=64, batch_size=4)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 
-from conftest import Regression, fit, logged, read_metrics, trainer_for
+from helpers import Regression, fit, logged, read_metrics, trainer_for
 from lightning_stale import StaleStateCallback
 
 INF_BATCHES = (2, 5, 6)  # batch indices whose loss is multiplied by inf

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import make_optimizer
 from lightning_stale import StaleStateMonitor
 from lightning_stale.messages import StaleStateInternalWarning
 from lightning_stale.optim import QuantizedAdamW
@@ -157,12 +158,10 @@ def test_resume_with_another_policy_uses_the_new_one_and_says_so(caplog):
 def test_monitoring_leaves_training_bit_identical(kind, track):
     """Without a reset policy the monitor only reads: parameters and optimizer state end bit-identical to a run
     without it, logging steps included."""
-    from conftest import make_optimizer
-
     def run(monitored: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8))
-        opt = make_optimizer(kind, model.parameters(), **({"min_8bit_size": 256} if kind == "bnb" else {}))
+        opt = make_optimizer(kind, model.parameters(), min_8bit_size=256)
         monitor = StaleStateMonitor(opt, track=track) if monitored else None
         for step in range(30):
             train(model, opt, 1, start=step)

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from adapter_checks import assert_states_equal
+from helpers import make_optimizer
 from lightning_stale.adapters import adapter_for
 from lightning_stale.formats import FORMAT_NAMES, ROUNDINGS, get_format
 from lightning_stale.guard import guard_underflow
-from lightning_stale.optim import QuantizedAdamW
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -86,17 +86,6 @@ KINDS = (["torch_fp32", "torch_bf16", "bnb"]
          + [f"qadamw:{f}:{r}" for f in FORMAT_NAMES for r in ROUNDINGS])
 
 
-def make(kind: str, params: list[nn.Parameter], min_quantized_size: int = 4096) -> torch.optim.Optimizer:
-    if kind.startswith("torch"):
-        return torch.optim.AdamW(params, lr=1e-3)
-    if kind == "bnb":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=1e-3)
-    _, fmt, rounding = kind.split(":")
-    return QuantizedAdamW(params, lr=1e-3, state_format=fmt, rounding=rounding, min_quantized_size=min_quantized_size)
-
-
 @st.composite
 def setups(draw, kinds: list[str]):
     """(kind, params, min_quantized_size)."""
@@ -115,7 +104,7 @@ def set_grads(data, params: list[nn.Parameter], max_exp: int = 6) -> None:
 @given(setup=setups(KINDS), steps=st.integers(1, 4), data=st.data())
 def test_full_reset_reads_zero_and_steps_like_a_fresh_optimizer(setup, steps, data):
     kind, params, min_size = setup
-    opt = make(kind, params, min_size)
+    opt = make_optimizer(kind, params, min_quantized_size=min_size)
     for _ in range(steps):
         set_grads(data, params)
         opt.step()
@@ -126,7 +115,7 @@ def test_full_reset_reads_zero_and_steps_like_a_fresh_optimizer(setup, steps, da
     if kind.endswith("stochastic"):
         return  # the rounding stream is not part of the state a reset restores
     twins = [nn.Parameter(p.detach().clone()) for p in params]
-    fresh = make(kind, twins, min_size)
+    fresh = make_optimizer(kind, twins, min_quantized_size=min_size)
     for _ in range(data.draw(st.integers(1, 3))):
         set_grads(data, params)
         for p, t in zip(params, twins):
@@ -140,7 +129,7 @@ def test_full_reset_reads_zero_and_steps_like_a_fresh_optimizer(setup, steps, da
 @given(setup=setups(KINDS), steps=st.integers(1, 3), data=st.data())
 def test_codes_never_change_on_a_skipped_step(setup, steps, data):
     kind, params, min_size = setup
-    opt = make(kind, params, min_size)
+    opt = make_optimizer(kind, params, min_quantized_size=min_size)
     for _ in range(steps):
         set_grads(data, params)
         opt.step()
@@ -161,7 +150,7 @@ def test_codes_never_change_on_a_skipped_step(setup, steps, data):
 @given(setup=setups(KINDS), steps=st.integers(1, 4), data=st.data())
 def test_stored_moments_stay_finite_for_finite_gradients(setup, steps, data):
     kind, params, min_size = setup
-    opt = make(kind, params, min_size)
+    opt = make_optimizer(kind, params, min_quantized_size=min_size)
     for _ in range(steps):
         set_grads(data, params, max_exp=15)  # g**2 stays finite in fp32, where every optimizer does its arithmetic
         opt.step()
@@ -173,7 +162,7 @@ def test_stored_moments_stay_finite_for_finite_gradients(setup, steps, data):
 @given(setup=setups(KINDS), steps=st.integers(1, 3), data=st.data())
 def test_guard_leaves_no_zero_v_under_a_nonzero_m(setup, steps, data):
     kind, params, min_size = setup
-    opt = make(kind, params, min_size)
+    opt = make_optimizer(kind, params, min_quantized_size=min_size)
     adapter = adapter_for(opt)
     for _ in range(steps):
         set_grads(data, params, max_exp=8)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import logged, trainer_for
+from helpers import logged, make_optimizer, trainer_for
 from lightning_stale import StaleStateCallback
 from lightning_stale.messages import StaleStateWarning
 
@@ -57,7 +57,8 @@ class Probe:
 
 
 class LM(L.LightningModule):
-    """A causal language model on random tokens; ``build`` makes the network, ``optimizer`` the optimizer."""
+    """A causal language model on random tokens; ``build`` makes the network, ``optimizer`` names the optimizer
+    (:func:`helpers.make_optimizer`)."""
 
     def __init__(self, build, optimizer: str = "bnb", compile_block: bool = False) -> None:
         super().__init__()
@@ -76,12 +77,7 @@ class LM(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
-        if self.kind == "bnb":
-            opt = bnb.optim.AdamW8bit(params, lr=1e-3, betas=BETAS, min_8bit_size=128)
-        elif self.kind == "paged":
-            opt = bnb.optim.PagedAdamW8bit(params, lr=1e-3, betas=BETAS, min_8bit_size=128)
-        else:
-            opt = torch.optim.AdamW(params, lr=1e-3, betas=BETAS)
+        opt = make_optimizer(self.kind, params, lr=1e-3, betas=BETAS, min_8bit_size=128)
         self.probe = Probe(opt)
         return opt
 
@@ -98,7 +94,7 @@ def many_tensors() -> nn.Module:
 
 SETUPS = {  # name: (LM arguments, Trainer arguments)
     "gpt2-tied": (dict(build=gpt2), {}),
-    "lora-paged8bit": (dict(build=lora_gpt2, optimizer="paged"), {}),
+    "lora-paged8bit": (dict(build=lora_gpt2, optimizer="bnb:PagedAdamW8bit"), {}),
     "316-tensors": (dict(build=many_tensors), {}),
     "grad-accumulation": (dict(build=gpt2), dict(accumulate_grad_batches=4, log_every_n_steps=5)),
     "compiled-block": (dict(build=gpt2, compile_block=True), {}),

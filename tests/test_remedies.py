@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import Regression, fit, logged
+from helpers import Regression, fit, logged, make_optimizer
 from torch import nn
 
 from lightning_stale import StaleStateCallback, StaleStateMonitor, metrics
@@ -121,19 +121,16 @@ def test_auto_never_guards_a_grid_without_zero():
     assert all(u.underflow == 0.0 and REMEDIES[u.remedy] == "none" for u in monitor.units())
 
 
-def decaying_bf16(steps: int, kind: str = "qadamw", **options):
+def decaying_bf16(steps: int, kind: str = "qadamw:bf16", **options):
     """bf16 states under nearest rounding with a gradient that drops 100x after 20 steps: the stored v cannot follow
     the decay (each step changes it by 0.1%, under half a bf16 ulp), so it drifts above its fp32 EMA. ``kind``:
-    ``QuantizedAdamW`` with bf16 states, or ``torch`` AdamW on bf16 parameters (no stochastic rounding)."""
-    from lightning_stale.optim import QuantizedAdamW
-
+    ``qadamw:bf16`` (QuantizedAdamW with bf16 states) or ``torch_bf16`` (torch AdamW on bf16 parameters, no
+    stochastic rounding)."""
     torch.manual_seed(0)
     model = nn.Linear(64, 64, bias=False)  # one parameter: the logged drift is its drift
-    if kind == "torch":
+    if kind == "torch_bf16":
         model = model.bfloat16()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    else:
-        opt = QuantizedAdamW(model.parameters(), state_format="bf16", min_quantized_size=256, lr=1e-4)
+    opt = make_optimizer(kind, model.parameters(), lr=1e-4, min_quantized_size=256)
     monitor = StaleStateMonitor(opt, coverage_steps=10, **options)
     reset_steps: list[int] = []
     monitor.add_reset_listener(lambda event: reset_steps.append(event.step))
@@ -171,11 +168,11 @@ def test_auto_switches_a_drifting_moment_to_stochastic_rounding_where_it_can():
 
 
 def test_auto_resets_a_drifting_moment_where_rounding_cannot_change():
-    monitor, resets, _ = decaying_bf16(500, kind="torch", remedy="auto")
+    monitor, resets, _ = decaying_bf16(500, kind="torch_bf16", remedy="auto")
     assert resets and 380 <= resets[0] <= 460
     row = monitor.compute()
     assert row[RESET_KEY] == monitor.remedy_resets >= 1 and row[GUARD_KEY] == 0.0 and row[SR_KEY] == 0.0
-    again, _, _ = decaying_bf16(1, kind="torch", remedy="auto")
+    again, _, _ = decaying_bf16(1, kind="torch_bf16", remedy="auto")
     again.load_state_dict(monitor.state_dict())
     assert again.remedy_resets == monitor.remedy_resets
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import math
 
-import bitsandbytes as bnb
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from helpers import make_optimizer
 from lightning_stale import StaleStateMonitor
-from lightning_stale.optim import QuantizedAdamW
 from lightning_stale.policies import ResetPolicy
 
 LR = 1e-3
@@ -37,23 +36,14 @@ class ResetAt(ResetPolicy):
         return np.full(len(schedule.units), step in self.steps)
 
 
-def make(kind: str, params):
-    if kind == "bnb":
-        return bnb.optim.AdamW8bit(params, lr=LR, weight_decay=0.0, min_8bit_size=256)
-    if kind == "torch-bf16":
-        return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
-    fmt, rounding = kind.split(":")
-    return QuantizedAdamW(params, lr=LR, weight_decay=0.0, state_format=fmt, rounding=rounding,
-                          min_quantized_size=256, compile=False)
-
-
 def largest_update_after_resets(kind: str, moments, at=(8, 60), **options) -> float:
     """The largest |update| / lr over every element in the WINDOW steps after each reset."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
-    if kind == "torch-bf16":
+    if kind == "torch_bf16":
         model = model.bfloat16()
-    opt = make(kind, list(model.parameters()))
+    opt = make_optimizer(kind, list(model.parameters()), lr=LR, weight_decay=0.0, min_8bit_size=256,
+                         min_quantized_size=256, compile=False)
     monitor = StaleStateMonitor(opt, reset=ResetAt(at, moments), **options)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(512, 32, generator=g), torch.randn(512, 8, generator=g)
@@ -73,7 +63,7 @@ def largest_update_after_resets(kind: str, moments, at=(8, 60), **options) -> fl
     return largest
 
 
-KINDS = ["bnb", "torch-bf16"] + [f"{fmt}:{r}" for fmt in ("fp8_e4m3", "fp4", "int8_dynamic", "bf16")
+KINDS = ["bnb", "torch_bf16"] + [f"qadamw:{fmt}:{r}" for fmt in ("fp8_e4m3", "fp4", "int8_dynamic", "bf16")
                                  for r in ("nearest", "stochastic")]
 
 
@@ -82,11 +72,11 @@ KINDS = ["bnb", "torch-bf16"] + [f"{fmt}:{r}" for fmt in ("fp8_e4m3", "fp4", "in
 def test_updates_after_a_reset_stay_within_a_small_multiple_of_lr(kind, moments):
     # Per-tensor fp8 states diverge on this model with or without resets (v underflows to zero under the tensor's
     # scale while m does not: benchmarks/reset_safety.py): they need the underflow guard, resets or not.
-    options = {"underflow_guard": True} if kind.startswith("fp8") else {}
+    options = {"underflow_guard": True} if kind.startswith("qadamw:fp8") else {}
     assert largest_update_after_resets(kind, moments, **options) <= BOUND
 
 
-@pytest.mark.parametrize("kind", ["fp4:nearest", "int8_dynamic:stochastic"])
+@pytest.mark.parametrize("kind", ["qadamw:fp4:nearest", "qadamw:int8_dynamic:stochastic"])
 def test_the_exact_v_only_reset_is_unbounded_as_documented(kind):
     exact = largest_update_after_resets(kind, ("v",), v_reset="exact-unbounded")
     bounded = largest_update_after_resets(kind, ("v",))

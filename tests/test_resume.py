@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import Regression, read_metrics, trainer_for
+from helpers import Regression, read_metrics, trainer_for
 from lightning_stale import StaleStateCallback
 
 

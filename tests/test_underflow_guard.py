@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import logged, trainer_for
+from helpers import logged, make_optimizer, trainer_for
 from lightning_stale import StaleStateCallback
 from lightning_stale.adapters import adapter_for
 from lightning_stale.adapters.protocol import Slot
@@ -44,13 +44,7 @@ class DeadUnits(L.LightningModule):
         return DataLoader(TensorDataset(torch.zeros(64, 1)), batch_size=1)
 
     def configure_optimizers(self):
-        if self.kind == "torchao":
-            from torchao.optim import AdamW8bit
-
-            return AdamW8bit(self.parameters(), lr=LR)
-        from lightning_stale.optim import QuantizedAdamW
-
-        return QuantizedAdamW(self.parameters(), lr=LR, state_format="int8_dynamic")
+        return make_optimizer(self.kind, self.parameters(), lr=LR, min_quantized_size=4096)
 
 
 class StepSize(L.Callback):
@@ -74,7 +68,7 @@ def fit(tmp_path: Path, kind: str, guard: bool, steps: int) -> tuple[StepSize, l
     return recorder, logged(trainer, "stale/v/underflow")
 
 
-@pytest.mark.parametrize("kind", ["qadamw", pytest.param("torchao", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["qadamw:int8_dynamic", pytest.param("torchao", marks=pytest.mark.slow)])
 def test_guard_bounds_the_blow_up_that_the_underflow_metric_reports(tmp_path, kind):
     if kind == "torchao":
         pytest.importorskip("torchao.optim")
@@ -204,8 +198,6 @@ def test_underflow_guard_argument_must_be_a_bool(value):
 
 def _twin_guarded(kind: str, count: bool) -> list[torch.Tensor]:
     """m codes after injecting v zeros into a stepped optimizer of ``kind`` and guarding with or without counting."""
-    from conftest import make_optimizer
-
     torch.manual_seed(0)
     dtype = torch.bfloat16 if kind == "torch_bf16" else torch.float32
     params = [nn.Parameter(torch.randn(256, 256).to(dtype)), nn.Parameter(torch.randn(4096).to(dtype))]
