@@ -159,7 +159,7 @@ class StallEngine:
 
     def after_step(self) -> list[Batch]:
         """Update the drift shadows with this step's gradients and count the snapshotted cohort; returns the batches
-        measured on this step (``measured_cohort`` holds its parameters, empty shards included)."""
+        measured on this step (``measured_cohort`` holds its parameters, the same on every rank)."""
         self.measured_cohort = []
         if self.refresh(fresh_state=True):
             self._prev = None  # slots appeared during the step: this step has nothing to compare against

@@ -2,26 +2,29 @@
 which the metrics set beside the measured one.
 
 rho-hat comes from the paper's closed form where the slot's format has one (no data needed); other grids (8-bit
-maps, foreign layouts) take the grid estimate on the stored values at the parameter's first measurement, summed
-across ranks so that every rank agrees (with several processes every rho-hat is agreed that way: shards may hold
-different formats). Parameters waiting for an estimate are *pending*; the monitor lets the policy choose their period
-once their rho-hat is known.
+maps, foreign layouts) take the grid estimate on the stored values: a first one when the parameter is first measured,
+then again on check steps (one host read and, with several processes, one collective for all of them) until the state
+has settled (``predict.settle_age``: an estimate of the first steps overstates rho-hat), final from then on. With several processes every rho-hat is agreed
+that way (shards may hold different formats). Parameters waiting for an estimate are *pending*; the monitor lets the
+policy choose (and revise) their period as their rho-hat comes in.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from lightning_stale import predict
 from lightning_stale.collective import Collective
 from lightning_stale.counting import Batch
 from lightning_stale.schedule import ResetSchedule, ResetUnit
-from lightning_stale.tracked import Entry, Unit
+from lightning_stale.tracked import Entry
 
-ESTIMATE_COLUMNS = 5  # per pending parameter: closed forms, their sum, estimates needed, sum of 1/r, values
+ESTIMATE_COLUMNS = 5  # per pending parameter: closed forms, their sum, estimates needed, sum of value/spacing, values
 
 
 class StallForecast:
@@ -37,55 +40,68 @@ class StallForecast:
                  name: Callable[[ResetUnit], str]) -> None:
         self.collective = collective
         self._warn, self._name = warn, name
-        self.pending: set[int] = set()  # parameter positions waiting for a grid estimate
+        self.pending: set[int] = set()  # parameter positions whose rho-hat is not final yet
         self.sums = np.zeros((0, 2))  # per slot row: sum and count of this window's predictions
         self._keys: list[str] = []  # the slot key of each row of ``sums``
         self._restored: dict[str, list[float]] = {}
 
     def adopt(self, schedule: ResetSchedule) -> None:
         """Give every parameter of a freshly synced schedule its rho-hat where the closed form knows it; mark the
-        parameters that need a grid estimate pending."""
+        parameters that need a (further) grid estimate pending."""
         self.pending = set()
         for unit in schedule.units:
-            if unit.rho is None and self.collective.active and unit.period_source == "":
-                self.pending.add(unit.position)  # agreed at its first measurement
+            if unit.rho_settled:
+                continue
+            if self.collective.active and unit.rho is None:
+                self.pending.add(unit.position)  # agreed at the next check step
                 continue
             driver = unit.driver()
             rho, _, needs_estimate = predict.closed_form_rho(driver) if driver is not None else (None, "", False)
-            if rho is not None:
-                schedule.set_rho(unit.position, rho)
-            elif needs_estimate and unit.rho is None:
+            if needs_estimate:
                 self.pending.add(unit.position)
+            else:  # the closed form, or none (fp32, not an EMA): final
+                schedule.set_rho(unit.position, math.nan if rho is None else rho, settled=True)
 
-    def estimate(self, schedule: ResetSchedule, cohort: list[Unit]) -> list[ResetUnit]:
-        """Give the pending parameters of the step's ``cohort`` their rho-hat (one host read each, one collective for
-        all); returns those now known. The same on every rank: pending sets change only through agreed results."""
-        units = [schedule.units[u.position] for u in cohort if u.position in self.pending]
+    def waiting(self, unit: ResetUnit) -> bool:
+        """Whether the parameter still waits for its first rho-hat (its period cannot be chosen yet)."""
+        return unit.position in self.pending and unit.rho is None
+
+    def estimate(self, schedule: ResetSchedule, positions: list[int] | None = None) -> list[ResetUnit]:
+        """(Re-)estimate the rho-hat of the pending parameters (those at ``positions`` only, where given), agreed
+        across ranks (one host read per device, one collective); returns the parameters whose rho-hat changed. An
+        estimate is final once the state is older than ``predict.settle_age``. The same on every rank: pending sets
+        change only through agreed results."""
+        chosen = sorted(self.pending if positions is None else self.pending.intersection(positions))
+        units = [schedule.units[i] for i in chosen]
         if not units:
             return []
-        rows = []
+        closed_rows, sums = [], []
         for unit in units:
             driver = unit.driver()
             closed, _, needs = predict.closed_form_rho(driver) if driver is not None else (None, "", False)
-            sums = predict.estimate_sums(driver, unit.key) if needs else None
-            rows.append([closed is not None, closed or 0.0, needs, *(sums or (0.0, 0))])
-        totals = self.collective.sum(np.array(rows, dtype=np.float64).reshape(-1, ESTIMATE_COLUMNS))
-        known = []
+            estimate = predict.estimate_sums(driver, unit.key) if needs else None
+            closed_rows.append([closed is not None, closed or 0.0, needs])
+            sums.append(estimate if estimate is not None else torch.zeros(2, dtype=torch.float64))
+        rows = np.concatenate([np.array(closed_rows, dtype=np.float64), _to_host(sums)], axis=1)
+        totals = self.collective.sum(rows.reshape(-1, ESTIMATE_COLUMNS))
+        changed = []
         for unit, (n_closed, closed_sum, n_needs, inverse_sum, n) in zip(units, totals.tolist()):
             if n > 0:
                 rho = predict.rho_from_sums(inverse_sum, int(n), unit.driver().beta)
+                settled = unit.age >= predict.settle_age(unit.driver().beta)
             elif n_needs > 0:
                 self._warn(f"estimate:{unit.key}",
                            f"lightning_stale: no theory prediction yet for {self._name(unit)!r}: its stored second "
-                           "moment holds no non-zero value (zero gradients so far?); retrying when it is next measured.")
+                           "moment holds no non-zero value (zero gradients so far?); retrying at the next check step.")
                 continue
             else:
-                rho = closed_sum / n_closed if n_closed > 0 else None
-            self.pending.discard(unit.position)
-            if rho is not None:
-                schedule.set_rho(unit.position, rho)
-            known.append(unit)
-        return known
+                rho, settled = (closed_sum / n_closed if n_closed > 0 else None), True
+            if settled:
+                self.pending.discard(unit.position)
+            if rho != unit.rho or settled:
+                schedule.set_rho(unit.position, math.nan if rho is None else rho, settled)
+                changed.append(unit)
+        return changed
 
     def record(self, measured: list[Batch], schedule: ResetSchedule) -> None:
         """Add the predicted stall of this step to every measured second moment whose rho-hat is known (host arrays
@@ -135,3 +151,12 @@ class StallForecast:
         estimates are re-derived when the parameters appear."""
         self._restored = dict(state.get("window", {})) if window else {}
         self.sums, self._keys, self.pending = np.zeros((0, 2)), [], set()
+
+
+def _to_host(sums: list[torch.Tensor]) -> np.ndarray:
+    """(n, 2) float64 on the host from 2-vectors on any devices: one read per device."""
+    out = np.zeros((len(sums), 2))
+    for device in {t.device for t in sums}:
+        rows = [i for i, t in enumerate(sums) if t.device == device]
+        out[rows] = torch.stack([sums[i] for i in rows]).cpu().numpy()
+    return out

@@ -347,13 +347,13 @@ class StaleStateMonitor:
         measured = t.engine.after_step()
         self._adopt(t, after_step=True)
         t.interventions.guard()
+        waiting = [u.position for u in t.engine.measured_cohort if t.forecast.waiting(t.schedule.units[u.position])]
+        if waiting:  # a first estimate at the first measurement (one host read): predictions from the first window on
+            self._estimate(t, waiting)
         if measured:
             t.forecast.record(measured, t.schedule)
-        if t.forecast.pending and t.engine.measured_cohort:
-            self._estimate(t)
         t.schedule.advance()
-        if (self.remedy is not None or (self.policy is not None and self.policy.needs_drift)) \
-                and t.steps % self._check_every == 0:
+        if t.steps % self._check_every == 0:
             self._check(t)
         if self.policy is None:
             return
@@ -371,8 +371,14 @@ class StaleStateMonitor:
             t.interventions.reset([t.schedule.units[i] for i in np.flatnonzero(due)], self.policy.moments, t.steps)
 
     def _check(self, t: _Track) -> None:
-        """A check step: the drift of every driver group and (for the remedy) each parameter's v underflow since the
-        last check, agreed across ranks (one host read, one collective), into the schedule; then the remedy acts."""
+        """A check step (every ``coverage_steps``): grid estimates of the parameters whose rho-hat is not final; for
+        the remedy and the drift policy, the drift of every driver group and (for the remedy) each parameter's v
+        underflow since the last check, agreed across ranks (one host read, one collective), into the schedule; then
+        the remedy acts."""
+        if t.forecast.pending:
+            self._estimate(t)
+        if self.remedy is None and (self.policy is None or not self.policy.needs_drift):
+            return
         recent = t.engine.take_recent(RECENT_FOR_REMEDY) if self.remedy is not None else None
         t.schedule.set_signals(*t.engine.agreed_signals(self._collective.sum(t.engine.signals(recent))))
         if self.remedy is not None:
@@ -394,21 +400,22 @@ class StaleStateMonitor:
         t.forecast.adopt(t.schedule)
         fresh = {u.position for u in new}
         self._configure([u for u in t.schedule.units if (u.position in fresh or u.period_source == "")
-                         and u.position not in t.forecast.pending])
+                         and not t.forecast.waiting(u)])
         if new and not t.announced:
             t.announced = True
             mixed = self._mixed_precision(t)  # a collective: every rank adopts at the same step
             info(fit_start_report(t.adapter, t.engine, t.schedule, t.forecast.pending, self.policy, self.remedy,
                                   self.options.track_every, mixed))
 
-    def _estimate(self, t: _Track) -> None:
-        """Grid estimates for the pending parameters of the measured cohort; their periods once all are known."""
-        known = t.forecast.estimate(t.schedule, t.engine.measured_cohort)
-        self._configure(known)
-        t.estimated.update(u.position for u in known)
-        if known and not t.forecast.pending:
+    def _estimate(self, t: _Track, positions: list[int] | None = None) -> None:
+        """Grid estimates for the parameters whose rho-hat is not final (at ``positions`` only, where given); the
+        periods, once all are final."""
+        changed = t.forecast.estimate(t.schedule, positions)
+        self._configure(changed)
+        t.estimated.update(u.position for u in changed)
+        if changed and not t.forecast.pending:
             line = period_report(t.schedule, self.policy, only=t.estimated,
-                                 title="reset periods from the grid estimates at first measurement")
+                                 title="reset periods from the settled grid estimates")
             if line:
                 info(line)
             t.estimated = set()

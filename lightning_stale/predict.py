@@ -2,7 +2,8 @@
 
 Float formats (bf16, fp16, fp8, fp4) take the paper's closed form from the format's precision; other grids (the 8-bit
 dynamic map of bitsandbytes/torchao, foreign layouts) take the generalized estimate on a sample of the slot's stored
-values and local spacing (:func:`lightning_stale.theory.estimate_grid`, our extension of the paper). Estimated
+values and local spacing (:func:`lightning_stale.theory.estimate_grid`, our extension of the paper), re-taken until
+the state has settled (:func:`settle_age`) so that the live estimate agrees with one of a later checkpoint. Estimated
 rho-hats are rounded to a 1% bucket so that slots share their periods. The predicted stall is evaluated in closed form
 for the few parameters measured on a step, so nothing grows with the run or the number of distinct rho-hats.
 """
@@ -13,6 +14,8 @@ import math
 from functools import lru_cache
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from lightning_stale import theory
 from lightning_stale._compat import local_tensor
@@ -23,6 +26,7 @@ from lightning_stale.sampling import choose_sample
 ESTIMATE_SAMPLE_SIZE = 4096  # stored values a grid estimate looks at
 ESTIMATE_SEED = 0  # rank-independent: every process samples the same positions of its shard
 RHO_BUCKET = 0.01  # relative width of the rho-hat buckets of grid estimates
+SETTLE_HORIZONS = 0.2  # grid estimates are final from this many EMA horizons of a state's age on (200 at b2 0.999)
 
 
 def closed_form_rho(slot: Slot) -> tuple[float | None, str, bool]:
@@ -37,14 +41,12 @@ def closed_form_rho(slot: Slot) -> tuple[float | None, str, bool]:
     return None, f"grid estimate ({slot.format})", True
 
 
-def estimate_sums(slot: Slot, key: str) -> tuple[float, int] | None:
-    """The sums behind the generalized grid estimate of a slot: (sum of value / spacing, number of values) over a
-    rank-independent sample of its stored non-zero values with a known spacing; None while there is none (a
-    zero-initialised LoRA factor, a dead first batch: try again later). Sums from the shards of one parameter add up
-    to the estimate of the whole parameter (see :func:`rho_from_sums`).
-
-    Reads the sample to the host (one synchronisation, once per slot).
-    """
+def estimate_sums(slot: Slot, key: str) -> Tensor | None:
+    """The sums behind the generalized grid estimate of a slot, ``(sum of |value| / spacing, number of values)``, over
+    a rank-independent sample of its stored non-zero values with a known spacing, as a float64 2-vector on the slot's
+    device (no host read: the monitor reads many at once); None where the slot has no EMA beta, no known spacing or
+    no elements on this process. A count of 0 means no non-zero value yet (a zero-initialised LoRA factor, a dead
+    first batch: try again later). Sums from the shards of one parameter add up to the whole parameter's."""
     if slot.beta is None:
         return None
     sample = choose_sample(key, local_tensor(slot.param).shape, ESTIMATE_SAMPLE_SIZE, ESTIMATE_SEED)
@@ -54,8 +56,9 @@ def estimate_sums(slot: Slot, key: str) -> tuple[float, int] | None:
     spacing = slot.spacing_at(index)
     if spacing is None:
         return None
-    r = theory.relative_spacing(slot.value_at(index), spacing)
-    return (float(np.sum(1.0 / r)), int(r.size)) if r.size else None
+    values, spacing = slot.value_at(index).double().abs(), spacing.double()
+    keep = torch.isfinite(values) & torch.isfinite(spacing) & (values > 0) & (spacing > 0)
+    return torch.stack([torch.where(keep, values / spacing, 0.0).sum(), keep.sum().double()])
 
 
 def rho_from_sums(inverse_sum: float, n: int, beta: float) -> float:
@@ -67,7 +70,17 @@ def estimate_rho(slot: Slot, key: str) -> float | None:
     """The grid estimate of one slot's rho-hat from its stored values (bucketed), None while it cannot be made: the
     estimator the live monitor uses, for readers of saved states (``lightning-stale inspect``)."""
     sums = estimate_sums(slot, key)
-    return None if sums is None or slot.beta is None else rho_from_sums(*sums, slot.beta)
+    if sums is None:
+        return None
+    inverse_sum, n = sums.tolist()
+    return rho_from_sums(inverse_sum, int(n), slot.beta) if n > 0 else None
+
+
+def settle_age(beta: float) -> int:
+    """Updates after which a state's grid estimate is taken as settled: ``SETTLE_HORIZONS`` EMA horizons. Earlier
+    the stored values have not filled their grid the way they will (an estimate at the first steps overstates
+    rho-hat, so the period comes out too short)."""
+    return math.ceil(SETTLE_HORIZONS / (1.0 - beta))
 
 
 def bucket(rho: float) -> float:

@@ -33,12 +33,13 @@ def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: R
         lines.append(f"[lightning_stale] {len(mixed)} parameter(s) have low-precision states on some ranks and fp32 on "
                      f"others (the optimizer's size threshold applies to local shards): "
                      + ", ".join(mixed[:5]) + (" ..." if len(mixed) > 5 else ""))
-    periods = period_report(schedule, policy, exclude=pending)
+    waiting = {i for i in pending if schedule.units[i].rho is None}
+    periods = period_report(schedule, policy, exclude=waiting)
     if periods:
         lines.append(periods)
     if pending:
-        lines.append(f"[lightning_stale] {len(pending)} parameter(s) get their rho-hat (and period) at their first "
-                     "measurement")
+        lines.append(f"[lightning_stale] {len(pending)} parameter(s) get their rho-hat (and period) from their stored "
+                     "values at check steps, final once their state has settled")
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ FIELDS: dict[str, tuple[type, float]] = {
     "measured": (np.int64, 0),  # measured steps in the current cycle (adaptive policy)
     "accumulator": (np.float64, 0.0),  # sum of excess staleness in the current cycle (adaptive policy)
     "rho": (np.float64, math.nan),  # rho-hat of the driver slot; nan while unknown or not applicable
+    "rho_settled": (np.int64, 0),  # 1 once rho-hat is final (a closed form, or a grid estimate of a settled state)
     # The signals read on check steps (drift of the driver's format group, v underflow fraction; nan: not read yet)
     # and what the automatic remedy last chose (an index into remedies.REMEDIES).
     "drift": (np.float64, math.nan),
@@ -40,8 +41,8 @@ FIELDS: dict[str, tuple[type, float]] = {
 }
 # Kept across a resume (measured history, the same on every rank); the period is re-derived by the policy configured
 # at resume.
-HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "accumulator", "rho", "drift",
-           "underflow", "remedy")
+HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "accumulator", "rho",
+           "rho_settled", "drift", "underflow", "remedy")
 
 
 class ResetUnit:
@@ -98,7 +99,7 @@ def _field(name: str, kind: type, writable: bool) -> property:
 
 
 POLICY_FIELDS = ("measured", "accumulator")  # the fields a policy keeps itself (besides its period)
-for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "remedy"):
+for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "remedy", "rho_settled"):
     setattr(ResetUnit, _name, _field(_name, int, _name in POLICY_FIELDS))
 for _name in ("accumulator", "drift", "underflow"):
     setattr(ResetUnit, _name, _field(_name, float, _name in POLICY_FIELDS))
@@ -176,9 +177,10 @@ class ResetSchedule:
         """One real optimizer step for every parameter."""
         self.arrays["age"] += 1
 
-    def set_rho(self, position: int, rho: float) -> None:
-        """The theory's rho-hat of a parameter's driver slot (once known)."""
+    def set_rho(self, position: int, rho: float, settled: bool) -> None:
+        """The theory's rho-hat of a parameter's driver slot; ``settled``: final (no further estimate)."""
         self.arrays["rho"][position] = rho
+        self.arrays["rho_settled"][position] = settled
 
     def set_signals(self, drift: np.ndarray, underflow: np.ndarray) -> None:
         """A check step's readings, agreed across ranks: every parameter's drift (nan: none), and the underflow of

@@ -42,7 +42,12 @@ def test_a_version_2_checkpoint_continues_exactly_as_version_2_did():
     assert monitor.reset_events == saved["stale"]["reset_events"] > 0
     rows = recipe.train(model, optimizers, monitor, 12, start=12)
     expected = saved["expected"]
-    assert rows == expected["rows"]  # every logged number, bit for bit
+    # every logged number, bit for bit, but the predicted stall: version 2 kept the 8-bit grid estimate of the
+    # second step, this version re-estimates it until the state has settled
+    predicted = "stale/v/predicted"
+    assert [{k: v for k, v in r.items() if k != predicted} for r in rows] == \
+        [{k: v for k, v in r.items() if k != predicted} for r in expected["rows"]]
+    assert all(predicted in r for r in rows)
     assert monitor.reset_events == expected["reset_events"]
     for param, weight in zip(model.parameters(), expected["weights"]):
         assert torch.equal(param.detach(), weight)
