@@ -41,6 +41,37 @@ def dtype_ulp(values: Tensor) -> Tensor:
 FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
+@dataclass(frozen=True)
+class ZeroLanes:
+    """A slot's stored elements as the underflow guard's one pass (:mod:`lightning_stale.guard`) reads and writes them:
+    fixed-width bit lanes, in place. A lane reads as an exact zero where ``(lane ^ zero) & care == 0`` or where the
+    scale of its block is 0; writing ``zero`` into a lane stores an exact zero."""
+
+    stored: Tensor  # the stored bits, flat and contiguous (the codes, or the float tensor itself)
+    bits: int  # bits per element: 4 (two per byte, as the codes are packed), 8, 16 or 32
+    zero: int | None  # the lane that stores an exact zero; None where no lane does (a map without zero)
+    care: int  # the lane bits the zero test compares: every bit, or every bit but the sign where -0 is a zero too
+    scale: Tensor | None = None  # flat per-block scales: every element of a block whose scale is 0 reads as zero
+    block: int = 0  # elements per scale
+
+
+def _without_sign(bits: int) -> int:
+    """The ``care`` of a lane whose top bit is a sign: +0 and -0 both read as zero."""
+    return (1 << (bits - 1)) - 1
+
+
+def _or_empty_blocks(zero: Tensor | None, scale: Tensor, block: int, numel: int) -> Tensor:
+    """``zero`` (a flat per-element mask, or None for none) or'ed with the elements of blocks whose scale is 0."""
+    empty_blocks = scale.reshape(-1) == 0
+    if numel == empty_blocks.numel() * block:  # whole blocks: broadcast, no expansion
+        empty = empty_blocks.unsqueeze(1)
+        if zero is None:
+            return empty.expand(-1, block).reshape(-1)
+        return zero.view(-1, block).logical_or_(empty).reshape(-1)
+    empty = empty_blocks.repeat_interleave(block)[:numel]
+    return empty if zero is None else zero.logical_or_(empty)
+
+
 @dataclass(eq=False, kw_only=True)
 class FloatSlot(Slot):
     """A moment stored as a plain float tensor (torch.optim, 32-bit fallbacks): codes are its raw bits."""
@@ -73,6 +104,12 @@ class FloatSlot(Slot):
 
     def zero_view(self) -> tuple[Tensor, int | float] | None:
         return (self.tensor.view(-1), 0) if self.tensor.is_contiguous() else None
+
+    def zero_lanes(self) -> ZeroLanes | None:
+        bits = 8 * self.tensor.element_size()
+        if not (self.tensor.is_floating_point() and self.tensor.is_contiguous()) or bits > 32:
+            return None
+        return ZeroLanes(self.tensor.view(-1), bits, 0, _without_sign(bits))  # == 0 holds for -0 as for +0
 
 
 _MAP_VALUES: dict[tuple[int, str], tuple[weakref.ref, Any]] = {}  # (id(map), what) -> (the map, the value)
@@ -107,6 +144,25 @@ def _zero_entry(qmap: Tensor) -> tuple[int, bool]:
     return _of_map(qmap, "zero", build)
 
 
+def _zero_lane(qmap: Tensor, bits: int) -> tuple[int | None, int | None]:
+    """``(zero, care)`` of :class:`ZeroLanes` for ``bits``-wide codes into ``qmap``: (None, every bit) for a map without
+    zero, ``care`` None where its zero codes are neither one code nor a +0/-0 pair (the guard then uses masks)."""
+
+    def build(q: Tensor) -> tuple[int | None, int | None]:
+        every = (1 << bits) - 1
+        zeros = torch.nonzero(q.detach().reshape(-1) == 0).reshape(-1).tolist()
+        if not zeros:
+            return None, every
+        if len(zeros) == 1:
+            return zeros[0], every
+        sign = 1 << (bits - 1)
+        if len(zeros) == 2 and zeros[0] ^ zeros[1] == sign:
+            return zeros[0], every & ~sign
+        return zeros[0], None
+
+    return _of_map(qmap, f"zero lane {bits}", build)
+
+
 @dataclass(eq=False, kw_only=True)
 class BlockQmapSlot(Slot):
     """A moment stored as 8-bit indices into a value map, scaled per block: ``qmap[code] * scale[i // block]``.
@@ -118,6 +174,8 @@ class BlockQmapSlot(Slot):
     scale: Tensor
     qmap: Tensor
     block_size: int
+
+    lane_bits: ClassVar[int] = 8  # bits per stored code (the underflow guard's lanes)
 
     def state_tensors(self) -> list[Tensor]:
         return [self.stored, self.scale]  # the map is a shared table (adapters may rebuild it for each read)
@@ -149,16 +207,19 @@ class BlockQmapSlot(Slot):
         return code if exact else None
 
     def zero_mask(self) -> Tensor:
-        # Codes against the zero code, several times cheaper than dequantizing the whole state every step; an element
-        # of a block whose scale is 0 is zero whatever its code.
-        codes, empty_blocks = self.codes().reshape(-1), self.scale.reshape(-1) == 0
-        code, exact = _zero_entry(self.qmap)
-        if codes.numel() == empty_blocks.numel() * self.block_size:  # whole blocks: broadcast, no expansion
-            empty = empty_blocks.unsqueeze(1)
-            blocks = codes.view(-1, self.block_size)
-            return ((blocks == code).logical_or_(empty) if exact else empty.expand_as(blocks)).reshape(-1)
-        empty = empty_blocks.repeat_interleave(self.block_size)[: codes.numel()]
-        return (codes == code).logical_or_(empty) if exact else empty
+        # Codes against the map's zero codes, several times cheaper than dequantizing the whole state every step; an
+        # element of a block whose scale is 0 is zero whatever its code.
+        codes = self.codes().reshape(-1)
+        zero, care = _zero_lane(self.qmap, self.lane_bits)
+        if zero is None:
+            code_zero = None
+        elif care == (1 << self.lane_bits) - 1:
+            code_zero = codes == zero
+        elif care is not None:
+            code_zero = ((codes ^ zero) & care) == 0
+        else:
+            code_zero = take(self.qmap == 0, codes.long())
+        return _or_empty_blocks(code_zero, self.scale, self.block_size, codes.numel())
 
     def zero_elements(self, mask: Tensor) -> None:
         # The nearest-zero entry is an exact zero in every first-moment map (bitsandbytes, torchao, ours).
@@ -168,12 +229,20 @@ class BlockQmapSlot(Slot):
         code, exact = _zero_entry(self.qmap)
         return (self.stored.view(-1), code) if exact and self.stored.is_contiguous() else None
 
+    def zero_lanes(self) -> ZeroLanes | None:
+        zero, care = _zero_lane(self.qmap, self.lane_bits)
+        # Not for an odd number of packed codes: the last byte's padding nibble is no element.
+        if care is None or not self.stored.is_contiguous() or self.stored.numel() * 8 != self.numel * self.lane_bits:
+            return None
+        return ZeroLanes(self.stored.view(-1), self.lane_bits, zero, care, self.scale.reshape(-1), self.block_size)
+
 
 @dataclass(eq=False, kw_only=True)
 class Packed4bitSlot(BlockQmapSlot):
     """Like :class:`BlockQmapSlot` with two 4-bit codes per byte (high nibble first), as torchao's 4-bit states."""
 
     packed: ClassVar[bool] = True
+    lane_bits: ClassVar[int] = 4
 
     @property
     def numel(self) -> int:
@@ -228,5 +297,15 @@ class BlockFp8Slot(Slot):
     def spacing_at(self, index: Tensor) -> Tensor | None:
         return e4m3_spacing(take(self.stored, index)) * take(self.scale, index // self.block_size)
 
+    def zero_mask(self) -> Tensor:
+        # +0 (0x00) and -0 (0x80) are both zero; so is every element of a block whose scale is 0.
+        codes = self.stored.view(torch.uint8).reshape(-1)
+        return _or_empty_blocks((codes & 0x7F) == 0, self.scale, self.block_size, codes.numel())
+
     def zero_elements(self, mask: Tensor) -> None:
         self.stored.view(torch.uint8).masked_fill_(mask.view(self.stored.shape), 0)
+
+    def zero_lanes(self) -> ZeroLanes | None:
+        if not self.stored.is_contiguous():
+            return None
+        return ZeroLanes(self.stored.view(-1), 8, 0, _without_sign(8), self.scale.reshape(-1), self.block_size)
