@@ -11,10 +11,18 @@ few percent drown in the noise of a shared CPU, the time spent inside the callba
 batch-end logging, mean per step so the logging step counts) is also measured directly, as a share of the
 no-callback step time of the same round: that is the number the 3% target is checked against.
 
+The opt-in ``guard`` mode (``underflow_guard=True``) adds ``QuantizedAdamW`` with fp8 (one scale per tensor) and bf16
+states to the optimizers and a second table: the guard's own time (around each guard pass) against the optimizer's
+update (from ``on_before_optimizer_step``, after the backward pass, to the monitor's post-step hook), median per step,
+in the same runs. At 160 tensors the model has 40 weights of 274 x 274 = 75,076 elements (the guard's in-place size
+is 65,536): the 40-shape model of issue 23.
+
 Memory: the engine's resident bytes (device tensors kept between steps, plus host arrays) against the optimizer's
 state bytes, for the timed models and for ~12M-parameter models (memory only). Run:
 
     .venv/bin/python benchmarks/overhead.py --rounds 2 --steps 60 --threads 1
+    .venv/bin/python benchmarks/overhead.py --rounds 2 --steps 60 --threads 1 \\
+        --tensors 128 160 512 1024 --modes default guard
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stale import StaleStateCallback
+from lightning_stale.guard import GuardPlan
 from lightning_stale.optim import QuantizedAdamW
 
 TENSOR_COUNTS = (16, 128, 512, 1024)
@@ -54,7 +63,12 @@ def optimizers(device: str) -> dict[str, Callable[[list[nn.Parameter]], torch.op
         "bnb AdamW8bit": lambda p: bnb.optim.AdamW8bit(p, lr=1e-3),
         "torch AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True),
         "QuantizedAdamW int8": lambda p: QuantizedAdamW(p, lr=1e-3, state_format="int8_dynamic"),
+        "QuantizedAdamW fp8": lambda p: QuantizedAdamW(p, lr=1e-3, state_format="fp8_e4m3"),
+        "QuantizedAdamW bf16": lambda p: QuantizedAdamW(p, lr=1e-3, state_format="bf16"),
     }
+
+
+GUARD_ONLY = ("QuantizedAdamW fp8", "QuantizedAdamW bf16")  # in the default choice only with the guard mode
 
 
 class Residual(L.LightningModule):
@@ -89,11 +103,17 @@ class Residual(L.LightningModule):
 
 
 class TimedCallback(StaleStateCallback):
-    """The callback with a stopwatch around its per-step work: the monitor's step hooks and the batch-end logging."""
+    """The callback with a stopwatch around its per-step work (the monitor's step hooks and the batch-end logging),
+    around each guard pass, and around the optimizer's own update (``on_before_optimizer_step`` runs after the
+    backward pass, inside the optimizer's step; the monitor's post-step hook right after the update)."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.seconds: list[float] = []  # per batch
+        self.guard: list[float] = []  # per batch
+        self.update: list[float] = []  # per batch
+        self._update_start = 0.0
+        self._guard_run = GuardPlan.run
 
     def _timed(self, function, *args):
         start = time.perf_counter()
@@ -105,11 +125,32 @@ class TimedCallback(StaleStateCallback):
         super().on_train_start(trainer, pl_module)
         monitor = self.monitor
         before, after = monitor._before, monitor._after
+
+        def timed_after(attached):
+            self.update[-1] += time.perf_counter() - self._update_start
+            return self._timed(after, attached)
+
+        def timed_guard(plan, *args, **kwargs):
+            start = time.perf_counter()
+            out = self._guard_run(plan, *args, **kwargs)
+            self.guard[-1] += time.perf_counter() - start
+            return out
+
         monitor._before = lambda attached: self._timed(before, attached)
-        monitor._after = lambda attached: self._timed(after, attached)
+        monitor._after = timed_after
+        GuardPlan.run = timed_guard
+
+    def on_train_end(self, trainer, pl_module):
+        GuardPlan.run = self._guard_run
+        super().on_train_end(trainer, pl_module)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._update_start = time.perf_counter()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.seconds.append(0.0)
+        self.guard.append(0.0)
+        self.update.append(0.0)
 
     def on_train_batch_end(self, *args):
         self._timed(super().on_train_batch_end, *args)
@@ -157,8 +198,11 @@ def run(tensors: int, make: Callable, config: dict | None, steps: int, warmup: i
     model = Residual(tensors, make, steps, total)
     trainer.fit(model)
     resident = callback.monitor.resident_bytes() if callback is not None else 0
+    timed = callback is not None and steps > warmup
     return {"step": lower_quartile(timer.wall[warmup:]) if steps > warmup + 4 else math.nan,
-            "inside": statistics.mean(callback.seconds[warmup:]) if callback is not None and steps > warmup else 0.0,
+            "inside": statistics.mean(callback.seconds[warmup:]) if timed else 0.0,
+            "guard": statistics.median(callback.guard[warmup:]) if timed else 0.0,
+            "update": statistics.median(callback.update[warmup:]) if timed else 0.0,
             "resident": resident, "state": state_bytes(trainer.optimizers[0]),
             "params": sum(p.numel() for p in model.parameters()), "tensors": len(list(model.parameters()))}
 
@@ -171,7 +215,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tensors", type=int, nargs="+", default=list(TENSOR_COUNTS))
-    parser.add_argument("--optimizers", nargs="+", default=None, help="names from the table (default: all)")
+    parser.add_argument("--optimizers", nargs="+", default=None,
+                        help="names from the table (default: all; the QuantizedAdamW fp8 and bf16 ones with guard)")
     parser.add_argument("--modes", nargs="+", default=["default", "exact", "theory"], choices=list(MODES)[1:],
                         help="callback modes besides no callback")
     parser.add_argument("--memory-params", type=int, default=12_000_000,
@@ -180,13 +225,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     all_optimizers = optimizers(args.device)
-    chosen = {k: v for k, v in all_optimizers.items() if args.optimizers is None or k in args.optimizers}
+    standard = [k for k in all_optimizers if k not in GUARD_ONLY or "guard" in args.modes]
+    chosen = {k: v for k, v in all_optimizers.items() if k in (args.optimizers or standard)}
     print(f"torch {torch.__version__}, device {args.device}, {args.threads} thread(s), batch {BATCH}, "
           f"{args.steps} steps per run ({args.warmup} warm-up), {args.rounds} rounds, log_every_n_steps=50")
     print("\nstep time ratio to no callback (median over rounds); in brackets the time inside the callback as a share of "
           "the no-callback step")
     print("\n| optimizer | tensors | params | no-callback step (ms) | " + " | ".join(args.modes) + " | resident / state |")
     print("|---|---|---|---|" + "---|" * len(args.modes) + "---|")
+    guard_rows = []
     with tempfile.TemporaryDirectory() as root:
         for opt_name, make in chosen.items():
             for tensors in args.tensors:
@@ -209,6 +256,18 @@ def main() -> None:
                       + " | ".join(f"{ratios[m]:.3f}x ({100 * inside[m]:.1f}%)" for m in names[1:])
                       + f" | {100 * default['resident'] / default['state']:.2f}% "
                       f"({default['resident'] / 1024:.0f} KiB) |", flush=True)
+                if "guard" in results:
+                    guarded = results["guard"]
+                    guard_rows.append(
+                        f"| {opt_name} | {default['tensors']} | "
+                        f"{1e3 * statistics.median(x['update'] for x in guarded):.1f} | "
+                        f"{1e3 * statistics.median(x['guard'] for x in guarded):.2f} | "
+                        f"{100 * statistics.median(x['guard'] / x['update'] for x in guarded):.1f}% |")
+        if guard_rows:
+            print("\nThe guard against the optimizer step (guard mode; median per step, median over rounds):")
+            print("| optimizer | tensors | optimizer step (ms) | guard (ms) | guard / optimizer step |")
+            print("|---|---|---|---|---|")
+            print("\n".join(guard_rows), flush=True)
         print(f"\nResident memory at ~{args.memory_params / 1e6:.0f}M parameters (default mode, memory only):")
         print("| optimizer | tensors | state (MiB) | resident (KiB) | resident / state |")
         print("|---|---|---|---|---|")
