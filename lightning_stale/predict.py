@@ -2,8 +2,9 @@
 
 Float formats (bf16, fp16, fp8, fp4) take the paper's closed form from the format's precision; other grids (the 8-bit
 dynamic map of bitsandbytes/torchao, foreign layouts) take the generalized estimate on a sample of the slot's stored
-values and local spacing (:func:`lightning_stale.theory.estimate_grid`, our extension of the paper), re-taken until
-the state has settled (:func:`settle_age`) so that the live estimate agrees with one of a later checkpoint. Estimated
+values and local spacing (:func:`lightning_stale.theory.estimate_grid`, our extension of the paper), re-taken as the
+state evolves (closely until it has settled, :func:`settle_age`) so that the live estimate agrees with one of a later
+checkpoint. Estimated
 rho-hats are rounded to a 1% bucket so that slots share their periods. The predicted stall is evaluated in closed form
 for the few parameters measured on a step, so nothing grows with the run or the number of distinct rho-hats.
 """
@@ -14,7 +15,6 @@ import math
 from functools import lru_cache
 
 import numpy as np
-import torch
 from torch import Tensor
 
 from lightning_stale import theory
@@ -26,7 +26,7 @@ from lightning_stale.sampling import choose_sample
 ESTIMATE_SAMPLE_SIZE = 4096  # stored values a grid estimate looks at
 ESTIMATE_SEED = 0  # rank-independent: every process samples the same positions of its shard
 RHO_BUCKET = 0.01  # relative width of the rho-hat buckets of grid estimates
-SETTLE_HORIZONS = 0.2  # grid estimates are final from this many EMA horizons of a state's age on (200 at b2 0.999)
+SETTLE_HORIZONS = 0.5  # a state this many EMA horizons old has settled on its grid (500 updates at b2 0.999)
 
 
 def closed_form_rho(slot: Slot) -> tuple[float | None, str, bool]:
@@ -52,13 +52,7 @@ def estimate_sums(slot: Slot, key: str) -> Tensor | None:
     sample = choose_sample(key, local_tensor(slot.param).shape, ESTIMATE_SAMPLE_SIZE, ESTIMATE_SEED)
     if sample.count == 0:
         return None
-    index = sample.positions(slot.param.device)
-    spacing = slot.spacing_at(index)
-    if spacing is None:
-        return None
-    values, spacing = slot.value_at(index).double().abs(), spacing.double()
-    keep = torch.isfinite(values) & torch.isfinite(spacing) & (values > 0) & (spacing > 0)
-    return torch.stack([torch.where(keep, values / spacing, 0.0).sum(), keep.sum().double()])
+    return slot.spacing_sums(sample)
 
 
 def rho_from_sums(inverse_sum: float, n: int, beta: float) -> float:
@@ -77,9 +71,9 @@ def estimate_rho(slot: Slot, key: str) -> float | None:
 
 
 def settle_age(beta: float) -> int:
-    """Updates after which a state's grid estimate is taken as settled: ``SETTLE_HORIZONS`` EMA horizons. Earlier
-    the stored values have not filled their grid the way they will (an estimate at the first steps overstates
-    rho-hat, so the period comes out too short)."""
+    """Updates after which a state has settled on its grid: ``SETTLE_HORIZONS`` EMA horizons. Before, its stored
+    values have not filled the grid the way they will, and a grid estimate overstates rho-hat (the period then comes
+    out too short)."""
     return math.ceil(SETTLE_HORIZONS / (1.0 - beta))
 
 

@@ -127,6 +127,15 @@ def _of_map(qmap: Tensor, what: str, build: Callable[[Tensor], Any]) -> Any:
     return entry[1]
 
 
+def _value_over_spacing(qmap: Tensor) -> Tensor:
+    """``|value| / spacing`` of every code of a map (float64, on its device); 0 where the value is zero or the
+    spacing unknown (such elements are left out of the grid estimate)."""
+    values = qmap.detach().double().abs().cpu()
+    spacing = grid_spacing_table(qmap.detach().float().cpu()).double()
+    keep = (values > 0) & (spacing > 0) & torch.isfinite(spacing)
+    return torch.where(keep, values / torch.where(keep, spacing, 1.0), 0.0).to(qmap.device)
+
+
 def _spacing_table(qmap: Tensor) -> Tensor:
     """The ulp-convention spacing of every code of a map, on its device."""
     return _of_map(qmap, "spacing", lambda q: grid_spacing_table(q.detach().float().cpu()).to(q.device))
@@ -202,6 +211,12 @@ class BlockQmapSlot(Slot):
         return take(_spacing_table(self.qmap), self.codes_at(index).long()) * take(self.scale,
                                                                                       index // self.block_size)
 
+    def spacing_sums(self, sample: Sample) -> Tensor | None:
+        # value / spacing = qmap[code] / table[code]: the block scale cancels, so the codes (a strided view) suffice
+        ratio = _of_map(self.qmap, "value/spacing", _value_over_spacing)
+        weights = ratio[self.sampled_codes(sample).reshape(-1).long()]
+        return torch.stack([weights.sum(), torch.count_nonzero(weights).double()])
+
     def zero_code(self) -> int | None:
         code, exact = _zero_entry(self.qmap)
         return code if exact else None
@@ -250,6 +265,9 @@ class Packed4bitSlot(BlockQmapSlot):
 
     def sampled_codes(self, sample: Sample) -> Tensor:
         return sample.byte_view(self.stored)
+
+    def spacing_sums(self, sample: Sample) -> Tensor | None:
+        return Slot.spacing_sums(self, sample)  # gathered: the grid estimate samples elements, not element pairs
 
     def codes(self) -> Tensor:
         return unpack_nibbles(self.stored, self.numel)

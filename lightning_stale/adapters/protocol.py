@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale.sampling import Sample
-from lightning_stale.vocab import MOMENTS, SIGNALS, Moment, check_moments
+from lightning_stale.vocab import MOMENTS, SIGNALS, Moment, Rounding, check_moments
 
 
 def take(tensor: Tensor, index: Tensor) -> Tensor:
@@ -75,6 +75,18 @@ class Slot:
         """The optimizer-state tensors this slot reads, to notice when the optimizer replaced one (the slot keeps
         them alive, so a replacement never reuses their address)."""
         return [v for v in vars(self).values() if isinstance(v, Tensor) and v is not self.param]
+
+    def spacing_sums(self, sample: Sample) -> Tensor | None:
+        """``(sum of |value| / spacing, count)`` over the sampled elements with a non-zero value and a known positive
+        spacing, a float64 2-vector on the slot's device (the grid estimate of rho-hat); None where the spacing is
+        unknown. Layouts whose ratio follows from the code alone override it with a table lookup."""
+        index = sample.positions(self.param.device)
+        spacing = self.spacing_at(index)
+        if spacing is None:
+            return None
+        values, spacing = self.value_at(index).double().abs(), spacing.double()
+        keep = torch.isfinite(values) & torch.isfinite(spacing) & (values > 0) & (spacing > 0)
+        return torch.stack([torch.where(keep, values / spacing, 0.0).sum(), keep.sum().double()])
 
     def sampled_codes(self, sample: Sample) -> Tensor:
         """The codes of the sampled elements as a 1-D view of the stored tensor (bytes for packed layouts)."""
@@ -152,6 +164,11 @@ class OptimizerAdapter(ABC):
         """The paper's exact per-moment reset where the optimizer keeps one age per moment, even when it is unsafe
         (a v-only reset then gives an unbounded next update); the same as :meth:`reset` for every other optimizer."""
         self.reset(moments, params)
+
+    def roundings(self, params: Iterable[Tensor]) -> list[Rounding]:
+        """How the optimizer rounds each parameter's state writes: nearest (what every built-in optimizer does
+        unless it offers a choice, which its adapter then reads)."""
+        return ["nearest" for _ in params]
 
     def use_stochastic_rounding(self, params: Iterable[Tensor]) -> bool:
         """Switch the write-back rounding of ``params``' stored moments to stochastic rounding from the next step on
