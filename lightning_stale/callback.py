@@ -27,8 +27,8 @@ from lightning_stale.remedies import Remedy
 class StaleStateCallback(Callback):
     """Measure how stale each stored optimizer moment is, log it, and optionally reset moments.
 
-    The arguments are those of :class:`~lightning_stale.monitor.StaleStateMonitor`; in sample mode every parameter is
-    measured at least once per ``log_every_n_steps``.
+    The arguments are the fields of :class:`~lightning_stale.options.MonitorOptions`; in sample mode every parameter
+    is measured at least once per ``log_every_n_steps``.
     """
 
     def __init__(
@@ -121,7 +121,7 @@ class StaleStateCallback(Callback):
         self._detach()
         if self._disabled:
             return
-        self._trainer = trainer
+        same_trainer, self._trainer = self._trainer is trainer, trainer
         if not trainer.optimizers:
             raise MisconfigurationException("StaleStateCallback needs at least one optimizer (none was configured)")
         if "ModelParallel" in type(trainer.strategy).__name__:
@@ -141,7 +141,7 @@ class StaleStateCallback(Callback):
             except ValueError as error:
                 raise MisconfigurationException(f"StaleStateCallback: {error}") from error
             self._pending_state = None
-        elif previous is not None:  # a later fit of the same Trainer: its counts go on
+        elif previous is not None and same_trainer:  # a later fit of the same Trainer goes on (a new one starts over)
             self.monitor.continue_from(previous)
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:

@@ -319,14 +319,14 @@ def test_checkpoint_with_a_different_number_of_optimizers_fails_with_advice(tmp_
 
 
 def test_unsupported_optimizer_fails_fast_with_advice_and_strict_false_falls_back(tmp_path):
-    class Adamax(Net):
+    class Rprop(Net):
         def configure_optimizers(self):
-            return torch.optim.Adamax(self.parameters(), lr=LR)
+            return torch.optim.Rprop(self.parameters(), lr=LR)
 
-    with pytest.raises(TypeError, match="no lightning_stale adapter for optimizer torch.optim.adamax.Adamax.*strict=False"):
-        fit(tmp_path / "strict", Adamax(), StaleStateCallback(), steps=2)
+    with pytest.raises(TypeError, match="no lightning_stale adapter for optimizer torch.optim.rprop.Rprop.*strict=False"):
+        fit(tmp_path / "strict", Rprop(), StaleStateCallback(), steps=2)
     with pytest.warns(UserWarning, match="generic adapter"):
-        trainer = fit(tmp_path / "lenient", Adamax(), StaleStateCallback(strict=False), steps=3)
+        trainer = fit(tmp_path / "lenient", Rprop(), StaleStateCallback(strict=False), steps=3)
     assert logged(trainer, "stale/frac")
 
 
