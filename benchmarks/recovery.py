@@ -2,9 +2,10 @@
 
 The paper's Table 5 protocol (fp32 compute, only the optimizer states stored in low precision) on the demo's model
 and loop (:mod:`lightning_stale.demo`), over learning rates and seeds. Columns are state storages: fp32 (torch
-AdamW, the reference), bf16 / fp8 / fp4 / int8 (``QuantizedAdamW``) and bnb8bit (bitsandbytes AdamW8bit). Rows are
-remedies, each a ``StaleStateCallback`` setting: nearest (none), stochastic (rounding), guard
-(``underflow_guard=True``), theory / adaptive / periodic / drift (``reset=...``; fp32's periodic cell is the control,
+AdamW, the reference), bf16 / fp8 / fp4 / int8 (``QuantizedAdamW``), bnb8bit (bitsandbytes AdamW8bit) and torchbf16
+(torch AdamW on bf16 parameters: bf16 states). Rows are remedies, each a ``StaleStateCallback`` setting: nearest
+(none), stochastic (rounding, ``QuantizedAdamW`` only), guard (``underflow_guard=True``), theory / vonly (theory
+periods, both moments / v only) / adaptive / periodic / drift (``reset=...``; fp32's periodic cell is the control,
 every 300 steps) and auto (``remedy="auto"``).
 
 For every learning rate it prints the grid (mean ± std over seeds), then per column the gap of nearest rounding to
@@ -17,6 +18,7 @@ for ``auto`` the parameters it guards and the resets it made.
 Runs are independent single-thread processes (``--workers``, default 2: both cores of a 2-core machine).
 
     python benchmarks/recovery.py                       # the default plan (PLAN below), 3 seeds
+    python benchmarks/recovery.py --plan long --resume  # whole runs, every remedy on every storage (hours)
     python benchmarks/recovery.py --lrs 4e-3 --columns fp32,fp8 --rows nearest,guard,auto --seeds 0
     python benchmarks/recovery.py --summarize-only      # rebuild the tables from OUT/runs.json
 """
@@ -39,10 +41,20 @@ from lightning_stale.demo.configs import CONFIGS, DemoSettings
 from lightning_stale.demo.model import DecoderConfig
 from lightning_stale.demo.training import prepare_corpus, train_config
 
-COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit")
-ROWS = ("nearest", "stochastic", "guard", "theory", "adaptive", "periodic", "drift", "auto")
-SUFFIX = {"nearest": "", "guard": "+guard", "theory": "+reset", "adaptive": "+adaptive", "periodic": "+periodic",
-          "drift": "+drift", "auto": "+auto"}
+COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16")
+ROWS = ("nearest", "stochastic", "guard", "theory", "vonly", "adaptive", "periodic", "drift", "auto")
+SUFFIX = {"nearest": "", "guard": "+guard", "theory": "+reset", "vonly": "+vreset", "adaptive": "+adaptive",
+          "periodic": "+periodic", "drift": "+drift", "auto": "+auto"}
+NO_STOCHASTIC = ("bnb8bit", "torchbf16")  # optimizers without stochastic rounding
+
+
+def cell_config(row: str, column: str) -> str | None:
+    """The configuration name of a table cell, or None where the cell does not exist."""
+    if column == "fp32":
+        return {"nearest": "fp32", "periodic": "fp32+reset"}.get(row)
+    if row == "stochastic":
+        return None if column in NO_STOCHASTIC else f"{column}-sr"
+    return column + SUFFIX[row]
 SIGNIFICANT = 3.0  # a gap counts when it exceeds this many paired standard deviations
 TARGET_SHARE = 0.8
 # The default plan, 84 runs of 600 steps (about an hour on 2 cores): at lr 4e-3 (2x fp32's best, where
@@ -57,15 +69,13 @@ PLAN: dict[float, dict[str, tuple[str, ...]]] = {
            "bnb8bit": ("nearest", "guard", "auto")},
     2e-3: {"fp32": ("nearest",), "fp8": ("nearest", "auto"), "bnb8bit": ("nearest", "auto")},
 }
+# The long plan: a whole run (5,000 steps of the 0.13M model at lr 2e-3, fp32's best), every remedy on every storage,
+# 3 seeds, about 140 runs of a few minutes each: hours on 2 cores, run with --resume over several sessions.
+LONG = {"steps": 5000, "dim": 64, "hidden": 176, "lrs": [2e-3], "out": "out/recovery-long"}
+LONG_PLAN = {c: tuple(r for r in ROWS if r != "periodic" and cell_config(r, c)) for c in COLUMNS if c != "fp32"}
+LONG_PLAN["fp32"] = ("nearest",)
 
 
-def cell_config(row: str, column: str) -> str | None:
-    """The configuration name of a table cell, or None where the cell does not exist."""
-    if column == "fp32":
-        return {"nearest": "fp32", "periodic": "fp32+reset"}.get(row)
-    if row == "stochastic":
-        return None if column == "bnb8bit" else f"{column}-sr"
-    return column + SUFFIX[row]
 
 
 def _worker_init() -> None:
@@ -159,10 +169,15 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
 
 
 def plan(args: argparse.Namespace) -> dict[float, dict[str, tuple[str, ...]]]:
-    """Cells to run per learning rate: the rectangle asked for on the command line, else the default PLAN."""
+    """Cells to run per learning rate: the rectangle asked for on the command line (within the long plan's cells
+    with ``--plan long``), else the plan's."""
     if args.columns or args.rows:
         columns, rows = args.columns or list(COLUMNS), tuple(args.rows or ROWS)
-        return {lr: {c: tuple(r for r in rows if cell_config(r, c)) for c in columns} for lr in args.lrs}
+        allowed = LONG_PLAN if args.plan == "long" else {c: ROWS for c in COLUMNS}
+        return {lr: {c: tuple(r for r in rows if cell_config(r, c) and r in allowed[c]) for c in columns}
+                for lr in args.lrs}
+    if args.plan == "long":
+        return {lr: LONG_PLAN for lr in args.lrs}
     return {lr: PLAN.get(lr, PLAN[4e-3]) for lr in args.lrs}
 
 
@@ -171,8 +186,8 @@ def _train_all(args: argparse.Namespace, base: DemoSettings, cells: dict, out: P
     already there and trains only the missing ones)."""
     runs = json.loads((out / "runs.json").read_text())["runs"] if args.resume and (out / "runs.json").exists() else []
     done = {(r["name"], r["lr"], r["seed"]) for r in runs}
-    jobs = [(name, replace(base, lr=lr, seed=seed)) for lr, columns in cells.items()
-            for name in dict.fromkeys(cell_config(r, c) for c, rows in columns.items() for r in rows)
+    jobs = [(name, replace(base, lr=lr, seed=seed)) for lr, columns in cells.items()  # row by row: baselines first
+            for name in dict.fromkeys(cell_config(r, c) for r in ROWS for c, rows in columns.items() if r in rows)
             for seed in args.seeds if (name, lr, seed) not in done]
     print(f"{len(jobs)} runs ({len(runs)} kept), {args.steps} steps each, {args.workers} workers", flush=True)
     start = time.perf_counter()
@@ -191,21 +206,25 @@ def _train_all(args: argparse.Namespace, base: DemoSettings, cells: dict, out: P
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--plan", choices=("default", "long"), default="default",
+                        help="default: 600 steps, lr 4e-3 and 2e-3 (PLAN); long: a whole run, every remedy on every "
+                             f"storage ({LONG})")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the plan's)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: 0,1,2)")
-    parser.add_argument("--lrs", default="4e-3,2e-3", help="comma-separated peak learning rates (default: 4e-3,2e-3)")
+    parser.add_argument("--lrs", default=None, help="comma-separated peak learning rates (default: the plan's)")
     parser.add_argument("--beta2", type=float, default=0.999)
-    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=None, help="model width (default: the plan's)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=352)
+    parser.add_argument("--hidden", type=int, default=None, help="feed-forward width (default: the plan's)")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--columns", default="", help=f"subset of {','.join(COLUMNS)} (default: the plan's)")
     parser.add_argument("--rows", default="", help=f"subset of {','.join(ROWS)} (default: the plan's)")
     parser.add_argument("--workers", type=int, default=2, help="parallel single-thread runs (default: 2)")
     parser.add_argument("--data", default=None, help="text file or folder (default: the stdlib source)")
-    parser.add_argument("--out", default="out/recovery", help="folder for logs and results")
+    parser.add_argument("--out", default=None, help="folder for logs and results (default: out/recovery, "
+                                                     "out/recovery-long)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in OUT/runs.json (same settings) and train only the missing ones")
     parser.add_argument("--summarize-only", action="store_true",
@@ -217,8 +236,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if bad:
             parser.error(f"--{name} must be a comma list of {allowed}, got {getattr(args, name)!r}")
         setattr(args, name, chosen)
+    defaults = LONG if args.plan == "long" else {"steps": 600, "dim": 128, "hidden": 352, "lrs": [4e-3, 2e-3],
+                                                  "out": "out/recovery"}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
-    args.lrs = [float(x) for x in args.lrs.split(",") if x]
+    if isinstance(args.lrs, str):
+        args.lrs = [float(x) for x in args.lrs.split(",") if x]
     return args
 
 

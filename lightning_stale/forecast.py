@@ -3,8 +3,9 @@ which the metrics set beside the measured one.
 
 rho-hat comes from the paper's closed form where the slot's format has one (no data needed); other grids (8-bit
 maps, foreign layouts) take the grid estimate on the stored values: a first one when the parameter is first measured,
-then again on check steps (one host read and, with several processes, one collective for all of them) until the state
-has settled (``predict.settle_age``: an estimate of the first steps overstates rho-hat), final from then on. With several processes every rho-hat is agreed
+then again at every check step (one host read and, with several processes, one collective for all of them) until the
+state has settled (``predict.settle_age``: an estimate of the first steps overstates rho-hat), and in rotation after
+that, so that the live estimate stays within a few percent of one taken offline from a checkpoint. With several processes every rho-hat is agreed
 that way (shards may hold different formats). Parameters waiting for an estimate are *pending*; the monitor lets the
 policy choose (and revise) their period as their rho-hat comes in.
 """
@@ -21,10 +22,11 @@ import torch
 from lightning_stale import predict
 from lightning_stale.collective import Collective
 from lightning_stale.counting import Batch
-from lightning_stale.schedule import ResetSchedule, ResetUnit
+from lightning_stale.schedule import RHO_FINAL, RHO_PENDING, RHO_TRACKING, ResetSchedule, ResetUnit
 from lightning_stale.tracked import Entry
 
 ESTIMATE_COLUMNS = 5  # per pending parameter: closed forms, their sum, estimates needed, sum of value/spacing, values
+TRACKING_ROTATION = 4  # a settled grid estimate is re-taken every this many check steps
 
 
 class StallForecast:
@@ -40,39 +42,48 @@ class StallForecast:
                  name: Callable[[ResetUnit], str]) -> None:
         self.collective = collective
         self._warn, self._name = warn, name
-        self.pending: set[int] = set()  # parameter positions whose rho-hat is not final yet
+        self.pending: set[int] = set()  # positions whose rho-hat is unknown or a young state's: every check
+        self.tracked: set[int] = set()  # positions whose settled grid estimate is kept current, in rotation
         self.sums = np.zeros((0, 2))  # per slot row: sum and count of this window's predictions
         self._keys: list[str] = []  # the slot key of each row of ``sums``
         self._restored: dict[str, list[float]] = {}
 
     def adopt(self, schedule: ResetSchedule) -> None:
-        """Give every parameter of a freshly synced schedule its rho-hat where the closed form knows it; mark the
-        parameters that need a (further) grid estimate pending."""
-        self.pending = set()
+        """Sort the parameters of a freshly synced schedule: rho-hat final where the closed form knows it (or there
+        is none), pending where a grid estimate is needed, tracked where a settled one is kept current."""
+        self.pending, self.tracked = set(), set()
         for unit in schedule.units:
-            if unit.rho_settled:
+            if unit.rho_state == RHO_FINAL:
                 continue
-            if self.collective.active and unit.rho is None:
-                self.pending.add(unit.position)  # agreed at the next check step
+            if unit.rho_state == RHO_TRACKING:
+                self.tracked.add(unit.position)
+                continue
+            if self.collective.active:
+                self.pending.add(unit.position)  # agreed at the next estimate: shards may hold different formats
                 continue
             driver = unit.driver()
             rho, _, needs_estimate = predict.closed_form_rho(driver) if driver is not None else (None, "", False)
             if needs_estimate:
                 self.pending.add(unit.position)
-            else:  # the closed form, or none (fp32, not an EMA): final
-                schedule.set_rho(unit.position, math.nan if rho is None else rho, settled=True)
+            else:
+                schedule.set_rho(unit.position, math.nan if rho is None else rho, RHO_FINAL)
 
     def waiting(self, unit: ResetUnit) -> bool:
         """Whether the parameter still waits for its first rho-hat (its period cannot be chosen yet)."""
         return unit.position in self.pending and unit.rho is None
 
-    def estimate(self, schedule: ResetSchedule, positions: list[int] | None = None) -> list[ResetUnit]:
-        """(Re-)estimate the rho-hat of the pending parameters (those at ``positions`` only, where given), agreed
-        across ranks (one host read per device, one collective); returns the parameters whose rho-hat changed. An
-        estimate is final once the state is older than ``predict.settle_age``. The same on every rank: pending sets
-        change only through agreed results."""
-        chosen = sorted(self.pending if positions is None else self.pending.intersection(positions))
-        units = [schedule.units[i] for i in chosen]
+    def due(self, checks: int) -> list[int]:
+        """The positions a check step (the ``checks``-th) estimates: every pending one, and the tracked ones in
+        turn (each every ``TRACKING_ROTATION`` checks)."""
+        tracked = sorted(self.tracked)[checks % TRACKING_ROTATION::TRACKING_ROTATION]
+        return sorted(self.pending) + tracked
+
+    def estimate(self, schedule: ResetSchedule, positions: list[int]) -> list[ResetUnit]:
+        """(Re-)estimate the rho-hat of the parameters at ``positions`` (pending or tracked), agreed across ranks
+        (one host read per device, one collective); returns those whose period is to be chosen again: a changed
+        estimate of a young state, or the first of a settled one (a settled parameter keeps its period). The same on
+        every rank: the sets change only through agreed results."""
+        units = [schedule.units[i] for i in positions if i in self.pending or i in self.tracked]
         if not units:
             return []
         closed_rows, sums = [], []
@@ -88,19 +99,24 @@ class StallForecast:
         for unit, (n_closed, closed_sum, n_needs, inverse_sum, n) in zip(units, totals.tolist()):
             if n > 0:
                 rho = predict.rho_from_sums(inverse_sum, int(n), unit.driver().beta)
-                settled = unit.age >= predict.settle_age(unit.driver().beta)
+                settled = unit.rho_state == RHO_TRACKING or unit.age >= predict.settle_age(unit.driver().beta)
+                state = RHO_TRACKING if settled else RHO_PENDING
             elif n_needs > 0:
                 self._warn(f"estimate:{unit.key}",
                            f"lightning_stale: no theory prediction yet for {self._name(unit)!r}: its stored second "
                            "moment holds no non-zero value (zero gradients so far?); retrying at the next check step.")
                 continue
             else:
-                rho, settled = (closed_sum / n_closed if n_closed > 0 else None), True
-            if settled:
+                rho, state = (closed_sum / n_closed if n_closed > 0 else None), RHO_FINAL
+            if state != RHO_PENDING:
                 self.pending.discard(unit.position)
-            if rho != unit.rho or settled:
-                schedule.set_rho(unit.position, math.nan if rho is None else rho, settled)
-                changed.append(unit)
+            if state == RHO_TRACKING:
+                self.tracked.add(unit.position)
+            if rho != unit.rho or state != unit.rho_state:
+                settled_before = unit.rho_state == RHO_TRACKING
+                schedule.set_rho(unit.position, math.nan if rho is None else rho, state)
+                if not settled_before:  # a settled parameter's period stays; its rho-hat keeps up with the state
+                    changed.append(unit)
         return changed
 
     def record(self, measured: list[Batch], schedule: ResetSchedule) -> None:

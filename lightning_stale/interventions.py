@@ -8,6 +8,7 @@ schedule's mutators.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,38 @@ class Interventions:
                 name = getattr(listener, "__qualname__", repr(listener))
                 raise ListenerError(f"the reset listener {name} raised {type(error).__name__}: {error} (listeners "
                                     "are called with one argument, a ResetEvent)") from error
+
+    def foresee(self, remedy: Remedy, units: list[ResetUnit], step: int) -> None:
+        """Before any measurement: the parameters whose v the remedy's theory expects to drift go to stochastic
+        rounding from the next step, where the optimizer has it; every choice is reported with its reason."""
+        roundings = self.adapter.roundings(u.param for u in units)
+        betas = [None if u.driver() is None else u.driver().beta for u in units]
+        reasons = {u.position: why for u, beta, rounding in zip(units, betas, roundings)
+                   if (why := remedy.foresee(u.rho, beta, rounding)) is not None}
+        if not reasons:
+            return
+        schedule = self.schedule
+        chosen = [schedule.units[i] for i in reasons]
+        by_reason = ", ".join(f"{why} x{n}" for why, n in Counter(reasons.values()).items())
+        if self.adapter.use_stochastic_rounding(u.param for u in chosen):
+            choice = schedule.arrays["remedy"].copy()
+            choice[list(reasons)] = STOCHASTIC
+            schedule.set_remedy(choice)
+            info(f"[lightning_stale] remedy: stochastic rounding from step {step + 1} for {len(chosen)} parameter(s) "
+                 f"(e.g. {self._name(chosen[0])!r}): {by_reason}")
+        else:
+            info(f"[lightning_stale] remedy: {len(chosen)} parameter(s) (e.g. {self._name(chosen[0])!r}): {by_reason};"
+                 f" {type(self.adapter.optimizer).__name__} cannot round stochastically: the measured drift decides")
+
+    def keep_guarding(self, check_every: int) -> None:
+        """After a check step's readings: a parameter inside a guard window whose v still underflows keeps the guard
+        until the next checks. A reset restarts v from zero, and under one scale per tensor the small elements of a
+        young v round to zero and, with nearest rounding, stay there: the guard must outlast them, not a fixed
+        window."""
+        schedule = self.schedule
+        with np.errstate(invalid="ignore"):  # nan: no reading
+            rows = np.flatnonzero((schedule.arrays["guard_left"] > 0) & (schedule.arrays["underflow"] > 0))
+        schedule.open_guard(rows, GUARD_CHECKS * check_every)
 
     def apply_remedy(self, remedy: Remedy, step: int, check_every: int) -> None:
         """Apply the remedy's choice after a check step: open (or extend) guard windows; for drifted parameters switch

@@ -25,9 +25,48 @@ _VALIDATORS = {"s0": check_s0, "min_interval": check_min_interval, "drift_band":
 
 @dataclass(frozen=True)
 class MonitorOptions:
-    """The options of :class:`~lightning_stale.monitor.StaleStateMonitor` and its front-ends (see the monitor for
-    their meaning). ``None`` for a policy argument means the policy's own default; ``policy`` and ``remedy_rule``
-    are the objects built from ``reset`` and ``remedy``."""
+    """The options of :class:`~lightning_stale.monitor.StaleStateMonitor` and its front-ends. ``None`` for a policy
+    argument means the policy's own default; ``policy`` and ``remedy_rule`` are the objects built from ``reset`` and
+    ``remedy``.
+
+    Attributes:
+        reset: ``None`` (monitor only), ``"periodic"`` (needs ``every``), ``"theory"`` (period K* from the paper's
+            model for each slot's format and beta), ``"adaptive"`` (paper Alg. 2 on the measured stall fraction),
+            ``"drift"`` (when stored v leaves ``drift_band`` around its fp32 EMA) or any
+            :class:`~lightning_stale.policies.ResetPolicy` (which carries its own arguments).
+        every: reset period in optimizer steps for ``reset="periodic"``.
+        s0: staleness tolerance of the theory and adaptive rules (default 0.6, the paper's).
+        min_interval: fewest steps between two adaptive or drift resets of a parameter (default 50).
+        moments: which moments a shortcut policy or the remedy resets: ``("m", "v")`` (default) or ``("v",)``.
+        track: ``"sample"`` measures a systematic sample of up to ``sample_size`` elements of each slot of
+            ``params_per_step`` parameters per measured step, in turn; ``"exact"`` compares every element of every
+            slot on every measured step.
+        sample_size: elements per slot in sample mode.
+        params_per_step: parameters measured per step in sample mode (raised so that every parameter is measured
+            within the monitor's ``coverage_steps`` measured steps).
+        track_every: measure one optimizer step in ``track_every`` (drift shadows still see every step).
+        log_per_param: ``compute()`` also returns ``<prefix>/<param name>/<state key>/frac`` for every parameter
+            measured in the window.
+        log_key_prefix: prefix of every key.
+        strict: raise for optimizers without an adapter; ``False`` falls back to a generic adapter with a warning.
+        seed: seed of the element sample (ranks may use different seeds: counts are summed across ranks).
+        underflow_guard: after every real step, zero the first moment of elements whose stored second moment is
+            exactly zero while m is not (see :mod:`lightning_stale.guard`). Whatever this says, the parameters a
+            reset touched are guarded for the next ``POST_RESET_GUARD_STEPS`` steps.
+        warmup_steps: after a reset, scale the next ``warmup_steps`` updates of the reset parameters by
+            ``i / warmup_steps`` (SPAM-style).
+        v_reset: how a v-only reset (``moments=("v",)``) restarts v. ``"bounded"`` (default) keeps m and writes v so
+            that the next update is at most about lr (see :mod:`lightning_stale.adapters.restart`).
+            ``"exact-unbounded"`` is the paper's exact asymmetric reset on optimizers with one age per moment
+            (``QuantizedAdamW``): v and its age restart from zero while m is kept, so the next update is
+            ``lr * m_hat / |g|`` per element, unbounded where the new gradient is small. Other optimizers always use
+            the bounded restart.
+        remedy: ``"auto"`` or a :class:`~lightning_stale.remedies.Remedy`: per parameter, the remedy its measured
+            cause calls for (see :mod:`lightning_stale.remedies`), logged as ``<prefix>/remedy/...``. It chooses
+            resets itself, so it cannot be combined with ``reset``.
+        drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"`` (default
+            1.5).
+    """
 
     reset: str | ResetPolicy | None = None
     every: int | None = None

@@ -32,7 +32,7 @@ FIELDS: dict[str, tuple[type, float]] = {
     "measured": (np.int64, 0),  # measured steps in the current cycle (adaptive policy)
     "accumulator": (np.float64, 0.0),  # sum of excess staleness in the current cycle (adaptive policy)
     "rho": (np.float64, math.nan),  # rho-hat of the driver slot; nan while unknown or not applicable
-    "rho_settled": (np.int64, 0),  # 1 once rho-hat is final (a closed form, or a grid estimate of a settled state)
+    "rho_state": (np.int64, 0),  # how rho-hat is known: RHO_PENDING, RHO_FINAL or RHO_TRACKING (below)
     # The signals read on check steps (drift of the driver's format group, v underflow fraction; nan: not read yet)
     # and what the automatic remedy last chose (an index into remedies.REMEDIES).
     "drift": (np.float64, math.nan),
@@ -42,7 +42,10 @@ FIELDS: dict[str, tuple[type, float]] = {
 # Kept across a resume (measured history, the same on every rank); the period is re-derived by the policy configured
 # at resume.
 HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "accumulator", "rho",
-           "rho_settled", "drift", "underflow", "remedy")
+           "rho_state", "drift", "underflow", "remedy")
+# rho_state: an estimate of a young state (or none yet), re-taken at every check; final (a closed form, or no
+# theory); a grid estimate of a settled state, kept current in rotation.
+RHO_PENDING, RHO_FINAL, RHO_TRACKING = range(3)
 
 
 class ResetUnit:
@@ -99,7 +102,7 @@ def _field(name: str, kind: type, writable: bool) -> property:
 
 
 POLICY_FIELDS = ("measured", "accumulator")  # the fields a policy keeps itself (besides its period)
-for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "remedy", "rho_settled"):
+for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "remedy", "rho_state"):
     setattr(ResetUnit, _name, _field(_name, int, _name in POLICY_FIELDS))
 for _name in ("accumulator", "drift", "underflow"):
     setattr(ResetUnit, _name, _field(_name, float, _name in POLICY_FIELDS))
@@ -140,9 +143,11 @@ class ResetSchedule:
                 restored = self._restored.pop(unit.key, None)
                 if restored is None and initial_age is not None:
                     arrays["age"][i] = initial_age(unit)
-                for name in HISTORY if restored is not None else ():
+                for name in HISTORY + ("period",) if restored is not None else ():
                     if name in restored:
                         arrays[name][i] = restored[name]
+                if restored is not None and "period" in restored:  # the period the same policy chose
+                    sources[i] = restored.get("period_source", "")
         kept = {u.key for u in units}
         for key, j in old.items():  # a parameter whose state went away (a reset that deletes a buffer) keeps its history
             if key not in kept:
@@ -177,10 +182,10 @@ class ResetSchedule:
         """One real optimizer step for every parameter."""
         self.arrays["age"] += 1
 
-    def set_rho(self, position: int, rho: float, settled: bool) -> None:
-        """The theory's rho-hat of a parameter's driver slot; ``settled``: final (no further estimate)."""
+    def set_rho(self, position: int, rho: float, state: int) -> None:
+        """The theory's rho-hat of a parameter's driver slot and how it is known (``RHO_PENDING``, ...)."""
         self.arrays["rho"][position] = rho
-        self.arrays["rho_settled"][position] = settled
+        self.arrays["rho_state"][position] = state
 
     def set_signals(self, drift: np.ndarray, underflow: np.ndarray) -> None:
         """A check step's readings, agreed across ranks: every parameter's drift (nan: none), and the underflow of
@@ -240,12 +245,14 @@ class ResetSchedule:
                 for i, key in enumerate(self.keys)}
         return {**self._restored, **live}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], periods: bool = True) -> None:
         """Adopt the measured history of a checkpoint (ages, reset counts, warm-up, adaptive accumulators, rho-hat
-        estimates) in place of what the schedule held; each parameter takes its part when it is next synced, and its
-        period is re-derived by the policy configured now."""
+        estimates) in place of what the schedule held; each parameter takes its part when it is next synced. With
+        ``periods`` (the checkpoint's policy is the one configured now) the periods it chose continue; otherwise the
+        policy configured now chooses them."""
         self._clear()
-        self._restored = {key: dict(fields) for key, fields in state.items()}
+        dropped = () if periods else ("period", "period_source")
+        self._restored = {key: {k: v for k, v in fields.items() if k not in dropped} for key, fields in state.items()}
 
 
 def _beta(slot: Slot | None) -> float:

@@ -25,7 +25,8 @@ def make_optimizer(kind: str, params, lr: float = 1e-3, betas: tuple[float, ...]
                    **options: Any) -> torch.optim.Optimizer:
     """The optimizer of a test ``kind``, so that every file names the same optimizers the same way.
 
-    ``torch``, ``torch_fp32``, ``torch_bf16``: torch AdamW (the state dtype follows the parameters'); ``bnb``:
+    ``torch``, ``torch_fp32``, ``torch_bf16``: torch AdamW (the state dtype follows the parameters'), ``torch:<Class>``
+    another torch.optim optimizer (``torch:SGD``); ``bnb``:
     bitsandbytes AdamW8bit, ``bnb:<Class>`` another bitsandbytes optimizer (``bnb:Lion8bit``); ``torchao``: torchao
     AdamW8bit, ``torchao:<Class>`` another (``torchao:AdamW4bit``); ``qadamw:<format>[:<rounding>]``: QuantizedAdamW
     with ``<format>`` for both moments or ``<m format>/<v format>``, nearest rounding and ``min_quantized_size=256``
@@ -34,12 +35,12 @@ def make_optimizer(kind: str, params, lr: float = 1e-3, betas: tuple[float, ...]
     given (some optimizers take none, or three).
     """
     family, _, name = kind.partition(":")
-    family = "torch" if family in ("torch", "torch_fp32", "torch_bf16") and not name else family
+    family = "torch" if family in ("torch", "torch_fp32", "torch_bf16") else family
     options = {key: value for key, value in options.items() if ONE_FAMILY_OPTIONS.get(key, family) == family}
     if betas is not None:
         options["betas"] = betas
     if family == "torch":
-        return torch.optim.AdamW(params, lr=lr, **options)
+        return getattr(torch.optim, name or "AdamW")(params, lr=lr, **options)
     if family == "bnb":
         import bitsandbytes as bnb
 

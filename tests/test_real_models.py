@@ -22,7 +22,7 @@ from lightning_stale.messages import StaleStateWarning
 
 transformers = pytest.importorskip("transformers")
 VOCAB, CONTEXT = 96, 16
-BETAS = (0.9, 0.99)  # with s0 = 0.2, the 8-bit map's settled theory period is then about 90 steps instead of 500+
+BETAS = (0.9, 0.995)  # with s0 = 0.05 the 8-bit map's settled theory period is then about 150 steps instead of 500+
 
 
 def gpt2(layers: int = 2) -> nn.Module:
@@ -133,11 +133,11 @@ def test_logged_fractions_equal_an_independent_count_window_by_window(tmp_path, 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_theory_resets_happen_on_schedule_and_training_completes(tmp_path, setup):
-    callback = StaleStateCallback(reset="theory", s0=0.2)
+    callback = StaleStateCallback(reset="theory", s0=0.05)
     resets: list[tuple[int, set[int]]] = []
     callback.add_reset_listener(lambda event: resets.append((event.step, {id(p) for p in event.params})))
-    trainer, model = fit(tmp_path, setup, callback, steps=100)
-    assert trainer.global_step == 100
+    trainer, model = fit(tmp_path, setup, callback, steps=170)
+    assert trainer.global_step == 170
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert logged(trainer, "stale/v/frac")
     names = dict(model.named_parameters())
@@ -145,5 +145,5 @@ def test_theory_resets_happen_on_schedule_and_training_completes(tmp_path, setup
     for step, params in resets:
         for pid in params:
             assert periods[pid] is not None and step % periods[pid] == 0, (setup, step, periods[pid])
-    if setup != "bf16-true":  # bf16 at b2 = 0.99 (rho-hat below 1 or a longer period): not asserted
-        assert resets, f"{setup}: no reset within 100 steps (periods {sorted(set(periods.values()), key=str)})"
+    if setup != "bf16-true":  # bf16 at b2 = 0.995: rho-hat 0.54 < 1, the theory leaves it alone
+        assert resets, f"{setup}: no reset within 170 steps (periods {sorted(set(periods.values()), key=str)})"

@@ -5,32 +5,29 @@ from __future__ import annotations
 
 import copy
 
-import bitsandbytes as bnb
 import pytest
 import torch
 from torch import nn
 
+from helpers import make_optimizer
 from lightning_stale import StaleStateMonitor
 from lightning_stale.adapters import adapter_for
-from lightning_stale.optim import QuantizedAdamW
 
-FAMILIES = {
-    "torch_adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
-    "torch_sgd_dampening": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, dampening=0.1),
-    "torch_rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3),
-    "torch_adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),
-    "bnb_adamw8bit": lambda params: bnb.optim.AdamW8bit(params, lr=1e-3, min_8bit_size=256),
-    "qadamw_fp8": lambda params: QuantizedAdamW(params, lr=1e-3, state_format="fp8_e4m3", min_quantized_size=256,
-                                                compile=False),
-    "qadamw_fp4": lambda params: QuantizedAdamW(params, lr=1e-3, state_format="fp4", min_quantized_size=256,
-                                                compile=False),
+FAMILIES = {  # kind -> options
+    "torch": {},
+    "torch:SGD": {"lr": 1e-2, "momentum": 0.9, "dampening": 0.1},
+    "torch:RMSprop": {},
+    "torch:Adagrad": {"lr": 1e-2},
+    "bnb": {"min_8bit_size": 256},
+    "qadamw:fp8_e4m3": {"compile": False},
+    "qadamw:fp4": {"compile": False},
 }
 
 
-def model_and_optimizer(family: str):
+def model_and_optimizer(kind: str):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-    return model, FAMILIES[family](model.parameters())
+    return model, make_optimizer(kind, model.parameters(), **FAMILIES[kind])
 
 
 def train(model, optimizer, steps: int) -> None:
@@ -46,9 +43,9 @@ def layout(slots) -> list[tuple[int, str, tuple[int, ...]]]:
     return sorted((id(s.param), s.key, tuple(t.data_ptr() for t in s.state_tensors())) for s in slots)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_slots_are_the_live_state_after_resets_and_after_load_state_dict(family):
-    model, optimizer = model_and_optimizer(family)
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_slots_are_the_live_state_after_resets_and_after_load_state_dict(kind):
+    model, optimizer = model_and_optimizer(kind)
     monitor = StaleStateMonitor(optimizer, reset="periodic", every=3, coverage_steps=2)
     train(model, optimizer, 7)  # resets after steps 3 and 6, a step after each
     assert monitor.reset_events == 2
@@ -61,7 +58,7 @@ def test_slots_are_the_live_state_after_resets_and_after_load_state_dict(family)
 
 
 def test_sgd_momentum_recreated_after_a_reset_is_measured_again():
-    model, optimizer = model_and_optimizer("torch_sgd_dampening")
+    model, optimizer = model_and_optimizer("torch:SGD")
     monitor = StaleStateMonitor(optimizer, reset="periodic", every=4, coverage_steps=2, track="exact")
     train(model, optimizer, 4)
     monitor.compute()

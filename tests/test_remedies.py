@@ -46,6 +46,25 @@ def test_auto_remedy_threshold_and_unread_signals():
     assert AutoRemedy(underflow_threshold=0.005).choose(schedule).tolist() == [NONE, NONE, GUARD]
 
 
+@pytest.mark.parametrize(("rho", "beta", "rounding", "expected"), [
+    (2.71, 0.999, "nearest", True),  # bf16: drifts, and stochastic rounding's noise is 6% of v
+    (4.4, 0.999, "nearest", True),  # noise 9.8%
+    (4.5, 0.999, "nearest", False),  # noise 10.1%: over the bound
+    (43.3, 0.999, "nearest", False),  # fp8 per tensor: noise 97%, left to measurement (its gap is underflow)
+    (13.0, 0.999, "nearest", False),  # 8-bit maps: noise 29%
+    (0.67, 0.985, "nearest", False),  # rho-hat < 1: the state keeps moving
+    (2.71, 0.999, "stochastic", False),  # already unbiased
+    (None, 0.999, "nearest", False),  # no theory (fp32)
+    (2.71, None, "nearest", False),  # not an EMA
+])
+def test_foresight_calls_for_stochastic_rounding_where_drift_is_predicted_and_its_noise_is_small(rho, beta, rounding,
+                                                                                                  expected):
+    reason = AutoRemedy().foresee(rho, beta, rounding)
+    assert (reason is not None) == expected
+    if expected:
+        assert reason.startswith(f"predicted drift (rho-hat {rho:.3g}, nearest rounding")
+
+
 def test_drift_reset_due_matches_should_reset():
     schedule = schedule_with(drift=[1.0, 1.26, 0.79, math.nan, 2.0], age=[60, 60, 60, 60, 20])
     policy = DriftReset(band=1.25, min_interval=50)
@@ -156,12 +175,13 @@ def test_drift_policy_resets_when_v_leaves_the_band():
 
 
 def test_auto_switches_a_drifting_moment_to_stochastic_rounding_where_it_can():
-    monitor, resets, opt = decaying_bf16(500, remedy="auto")
+    # no foresight (which would switch bf16 at the first step): the measured drift decides
+    monitor, resets, opt = decaying_bf16(500, remedy=AutoRemedy(drift_rho=math.inf))
     assert resets == [] and opt.param_groups[0]["rounding"] == "stochastic"
     assert REMEDIES[monitor.units()[0].remedy] == "stochastic"
     row = monitor.compute()
     assert row[SR_KEY] == 1.0 and row[RESET_KEY] == 0.0 and row[GUARD_KEY] == 0.0
-    again, _, opt = decaying_bf16(1, remedy="auto")
+    again, _, opt = decaying_bf16(1, remedy=AutoRemedy(drift_rho=math.inf))
     again.load_state_dict(monitor.state_dict())
     opt.step()  # the resumed schedule is adopted at the next step
     assert REMEDIES[again.units()[0].remedy] == "stochastic"
@@ -205,3 +225,52 @@ def test_trainer_logs_what_the_automatic_remedy_did(tmp_path):
     # readings that follow, and nothing drifts out of band in 20 steps
     assert len(guarded) == len(resets) == 4 and all(r == 0.0 for r in resets)
     assert guarded[0] >= 1 and guarded == sorted(guarded, reverse=True)
+
+
+@pytest.mark.parametrize(("kind", "switched", "said"), [
+    ("qadamw:bf16", True, "stochastic rounding from step 2 for 1 parameter(s)"),
+    ("qadamw:fp8_e4m3", False, None),  # rho-hat 43: its noise would be 97% of v
+    ("torch_bf16", False, "cannot round stochastically: the measured drift decides"),
+    ("bnb", False, None),  # 8-bit map, rho-hat over 10
+])
+def test_auto_foresight_per_family(caplog, kind, switched, said):
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64, bias=False)
+    if kind == "torch_bf16":
+        model = model.bfloat16()
+    opt = make_optimizer(kind, model.parameters(), min_quantized_size=256, min_8bit_size=256)
+    with caplog.at_level("INFO"):
+        monitor = StaleStateMonitor(opt, remedy="auto", coverage_steps=5, names=model)
+        for _ in range(3):
+            model.weight.grad = torch.randn_like(model.weight)
+            opt.step()
+    rounding = opt.param_groups[0].get("rounding")
+    assert (rounding == "stochastic") == switched
+    assert (REMEDIES[monitor.units()[0].remedy] == "stochastic") == switched
+    assert ("predicted drift" in caplog.text) == (said is not None)
+    if said:
+        assert said in caplog.text
+
+
+def test_reset_parameters_stay_guarded_while_their_v_underflows():
+    """A reset restarts v from zero; under one fp8 scale per tensor its small elements round to zero and stay there:
+    the post-reset guard must outlast its fixed window while the underflow lasts."""
+    from lightning_stale.optim import QuantizedAdamW
+    from lightning_stale.policies import ResetPolicy
+
+    class Once(ResetPolicy):
+        def should_reset(self, unit, step):
+            return step == 3
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 256)
+    opt = QuantizedAdamW(model.parameters(), state_format="fp8_e4m3", min_quantized_size=256)
+    monitor = StaleStateMonitor(opt, reset=Once(), coverage_steps=5, sample_size=4096)
+    for _ in range(60):  # twice the 30-step post-reset window
+        model.weight.grad = torch.full_like(model.weight, 1e-2)
+        model.weight.grad[0, 0] = 1e3  # flushes the others' v to zero
+        model.bias.grad = torch.ones_like(model.bias)
+        opt.step()
+    weight = next(u for u in monitor.units() if u.param is model.weight)
+    assert weight.resets == 1 and weight.underflow > 0.5 and weight.guard_left > 0
+    assert hazard(adapter_for(opt).slots(), model.weight) == 0

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import logging
 
-import bitsandbytes as bnb
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
+from helpers import Regression, make_optimizer
 from lightning_stale import StaleStateCallback, StaleStateMonitor
 from lightning_stale.interventions import ListenerError
+from lightning_stale.schedule import RHO_PENDING
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
@@ -27,10 +27,10 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> No
         optimizer.zero_grad()
 
 
-def _bnb_model():
+def _bnb_model(betas: tuple[float, float] = (0.9, 0.999)):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
-    return model, bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=256)
+    return model, make_optimizer("bnb", model.parameters(), betas=betas, min_8bit_size=256)
 
 
 def test_a_failing_reset_listener_reaches_the_user_with_its_name():
@@ -64,31 +64,12 @@ def test_a_compiled_model_gives_the_plain_parameter_names():
     assert "stale/0.weight/state2/frac" in monitor.compute()
 
 
-class _Regression(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 4))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(128, 32, generator=g), torch.randn(128, 4, generator=g)),
-                          batch_size=8)
-
-    def configure_optimizers(self):
-        return bnb.optim.AdamW8bit(self.parameters(), lr=1e-3, min_8bit_size=256)
-
-
 def test_a_second_fit_of_the_same_trainer_continues_the_reset_count(tmp_path):
     callback = StaleStateCallback(reset="periodic", every=3)
     trainer = L.Trainer(default_root_dir=tmp_path, max_steps=7, callbacks=[callback], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="cpu")
-    model = _Regression()
+    model = Regression("bnb", min_8bit_size=256)
     trainer.fit(model)
     assert callback.reset_events == 2
     trainer.fit_loop.epoch_loop.max_steps = 13
@@ -97,14 +78,16 @@ def test_a_second_fit_of_the_same_trainer_continues_the_reset_count(tmp_path):
 
 
 def test_the_fit_start_report_names_the_periods_it_chose(caplog):
-    model, optimizer = _bnb_model()
+    model, optimizer = _bnb_model(betas=(0.9, 0.95))
     with caplog.at_level(logging.INFO):
         monitor = StaleStateMonitor(optimizer, reset="theory", coverage_steps=2, names=model)
-        _train(model, optimizer, 4)
+        _train(model, optimizer, 12)  # grid estimates settle after 0.5 / (1 - 0.95) = 10 updates
     text = caplog.text
     assert "reset periods: None (fp32 (no staleness)) x1" in text  # the small bias keeps fp32 states
-    assert "3 parameter(s) get their rho-hat (and period) at their first measurement" in text
+    assert "3 parameter(s) get their rho-hat (and period) from their stored values at check steps" in text
     periods = monitor.reset_periods()
-    line = next(line for line in text.splitlines() if "from the grid estimates at first measurement" in line)
+    line = next(line for line in text.splitlines() if "reset periods from the settled grid estimates" in line)
+    assert line.count(" x1") == 3  # one entry per estimated parameter: its period (none below rho-hat 1) and why
     for name in ("0.weight", "0.bias", "2.weight"):
-        assert f"{periods[name]} (theory)" in line
+        assert f"{periods[name]} (" in line
+    assert all(u.rho_state != RHO_PENDING for u in monitor.units())

@@ -24,6 +24,7 @@ from lightning_stale.formats.base import pack_nibbles
 from lightning_stale.formats.int8_dynamic import BLOCK_SIZE as INT8_BLOCK
 from lightning_stale.formats.int8_dynamic import dynamic_map
 from lightning_stale.optim import QuantizedAdamW
+from lightning_stale.vocab import Rounding
 
 KEYS = {"m": "exp_avg", "v": "exp_avg_sq"}
 FP4_BLOCK = 128
@@ -74,6 +75,10 @@ class QuantizedAdamWAdapter(OptimizerAdapter):
             return
         for group, p, state in self.stepped(params):
             self.restart_v(group, p, state)
+
+    def roundings(self, params: Iterable[Tensor]) -> list[Rounding]:
+        rounding = {id(p): group["rounding"] for group in self.optimizer.param_groups for p in group["params"]}
+        return [rounding[id(p)] for p in params]
 
     def use_stochastic_rounding(self, params: Iterable[Tensor]) -> bool:
         """Every param group holding one of ``params`` rounds stochastically from the next step on."""

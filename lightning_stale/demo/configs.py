@@ -19,8 +19,10 @@ FP32_CONTROL_PERIOD = 300  # the paper's fp8 reset period
 class RunConfig:
     """One demo configuration: how the optimizer stores its states and what remedy the callback applies.
 
-    ``reset``, ``every``, ``underflow_guard`` and ``remedy`` are passed to :class:`~lightning_stale.StaleStateCallback`;
-    ``baseline`` names the configuration without a remedy (nearest rounding) that a variant is compared with.
+    ``reset``, ``every``, ``moments``, ``underflow_guard`` and ``remedy`` are passed to
+    :class:`~lightning_stale.StaleStateCallback`; ``baseline`` names the configuration without a remedy (nearest
+    rounding) that a variant is compared with; ``precision`` is the Trainer's (``"bf16-true"``: bf16 parameters, so
+    torch AdamW keeps bf16 states).
     """
 
     name: str
@@ -33,6 +35,8 @@ class RunConfig:
     description: str = ""
     underflow_guard: bool = False
     remedy: str | None = None
+    moments: tuple[str, ...] | None = None
+    precision: str = "32-true"
 
     def optimizer_spec(self, settings: DemoSettings) -> OptimizerSpec:
         """The optimizer this configuration trains with, at the settings' hyper-parameters."""
@@ -48,17 +52,19 @@ class RunConfig:
         )
 
 
-STORAGES = {  # name: (optimizer kind, state format, words)
-    "fp32": ("adamw", "fp32", "torch AdamW, fp32 states"),
-    "bnb8bit": ("bnb_adamw8bit", "fp32", "bitsandbytes AdamW8bit (block-wise 8-bit states)"),
-    "bf16": ("quantized", "bf16", "QuantizedAdamW, bf16 states"),
-    "fp8": ("quantized", "fp8_e4m3", "QuantizedAdamW, fp8 E4M3 states (per-tensor scale)"),
-    "fp4": ("quantized", "fp4", "QuantizedAdamW, fp4 states (block 128)"),
-    "int8": ("quantized", "int8_dynamic", "QuantizedAdamW, int8 dynamic-map states"),
+STORAGES = {  # name: (optimizer kind, state format, Trainer precision, words)
+    "fp32": ("adamw", "fp32", "32-true", "torch AdamW, fp32 states"),
+    "bnb8bit": ("bnb_adamw8bit", "fp32", "32-true", "bitsandbytes AdamW8bit (block-wise 8-bit states)"),
+    "bf16": ("quantized", "bf16", "32-true", "QuantizedAdamW, bf16 states"),
+    "fp8": ("quantized", "fp8_e4m3", "32-true", "QuantizedAdamW, fp8 E4M3 states (per-tensor scale)"),
+    "fp4": ("quantized", "fp4", "32-true", "QuantizedAdamW, fp4 states (block 128)"),
+    "int8": ("quantized", "int8_dynamic", "32-true", "QuantizedAdamW, int8 dynamic-map states"),
+    "torchbf16": ("adamw", "fp32", "bf16-true", "torch AdamW on bf16 parameters (bf16 states, bf16-true)"),
 }
 REMEDY_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words)
     "": ({}, ""),
     "+reset": ({"reset": "theory"}, ", theory-period resets"),
+    "+vreset": ({"reset": "theory", "moments": ("v",)}, ", theory-period resets of v only"),
     "+adaptive": ({"reset": "adaptive"}, ", adaptive resets"),
     "+periodic": ({"reset": "periodic", "every": FP32_CONTROL_PERIOD}, f", resets every {FP32_CONTROL_PERIOD} steps"),
     "+drift": ({"reset": "drift"}, ", drift-band resets"),
@@ -70,7 +76,7 @@ REMEDY_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words)
 def _build_configs() -> dict[str, RunConfig]:
     """Name every (storage, rounding, remedy) combination: ``<storage>[-sr][<remedy suffix>]``."""
     configs = {}
-    for storage, (kind, state_format, words) in STORAGES.items():
+    for storage, (kind, state_format, precision, words) in STORAGES.items():
         if storage == "fp32":
             configs[storage] = RunConfig(storage, kind, description=words)
             continue
@@ -81,7 +87,7 @@ def _build_configs() -> dict[str, RunConfig]:
                 text = words + (", stochastic rounding" if rounding == "stochastic" else "") + remedy_words
                 baseline = None if name == storage else storage
                 configs[name] = RunConfig(name, kind, state_format, rounding, baseline=baseline, description=text,
-                                          **arguments)
+                                          precision=precision, **arguments)
     # fp32 states never stall, so the theory gives them no period: the control resets at the fp8 period instead,
     # as the paper's fp32 control used the bf16 period.
     configs["fp32+reset"] = RunConfig(

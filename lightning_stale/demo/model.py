@@ -231,7 +231,7 @@ class LanguageModel(pl.LightningModule):
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Mean next-byte cross-entropy of one (inputs, targets) batch."""
         inputs, targets = batch
-        logits = self.model(inputs)
+        logits = self.model(inputs).float()  # bf16-true runs: the loss in fp32
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:

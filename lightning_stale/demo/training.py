@@ -139,8 +139,8 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     loggers = [CSVLogger(log_root, name=config.name, version=version)]
     if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
         loggers.append(TensorBoardLogger(log_root, name=config.name, version=version))
-    callbacks = [StaleStateCallback(reset=config.reset, every=config.every, underflow_guard=config.underflow_guard,
-                                    remedy=config.remedy), *extra_callbacks]
+    callbacks = [StaleStateCallback(reset=config.reset, every=config.every, moments=config.moments,
+                                    underflow_guard=config.underflow_guard, remedy=config.remedy), *extra_callbacks]
     if settings.progress_bar:
         callbacks.append(_progress_bar(config.name))
     train_loader = corpus.train_loader(settings.steps, settings.batch_size, settings.seed)
@@ -149,6 +149,7 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=1,
+            precision=config.precision,
             max_steps=settings.steps,
             logger=loggers,
             callbacks=callbacks,

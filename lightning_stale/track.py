@@ -1,0 +1,207 @@
+"""OptimizerTrack: one watched optimizer's components and its step, in data-flow order: count (engine), align the
+bookkeeping (schedule) and the theory (forecast), read the check-step signals, let the policy and the remedy decide,
+act (interventions). :class:`~lightning_stale.monitor.StaleStateMonitor` runs one per optimizer from torch's step
+hooks and turns their counts into metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_stale.adapters.protocol import OptimizerAdapter
+from lightning_stale.collective import Collective
+from lightning_stale.counting import Batch
+from lightning_stale.engine import StallEngine
+from lightning_stale.forecast import StallForecast
+from lightning_stale.interventions import Interventions, ResetListener
+from lightning_stale.messages import ParamNames, info
+from lightning_stale.options import MonitorOptions
+from lightning_stale.report import fit_start_report, period_report
+from lightning_stale.schedule import ResetSchedule, ResetUnit
+
+RECENT_FOR_POLICY, RECENT_FOR_CHECKS = "policy", "checks"  # the readers of the engine's recent counts
+
+
+class OptimizerTrack:
+    """The components of one optimizer and what runs around its steps.
+
+    Args:
+        adapter: reads and resets the optimizer's state.
+        index: the optimizer's position among the monitor's (``opt<index>`` names its parameters).
+        options: the monitor's options (their policy and remedy objects are shared by every track).
+        collective: sums across ranks.
+        names: readable parameter names; ``warn``: one-time warnings; ``listeners``: the monitor's reset listeners.
+        coverage_steps: every parameter is measured within this many measured steps; also the check interval.
+        steps_taken: optimizer steps taken before the monitor attached.
+    """
+
+    def __init__(self, adapter: OptimizerAdapter, index: int, options: MonitorOptions, collective: Collective,
+                 names: ParamNames, warn: Callable[[str, str], None], listeners: list[ResetListener],
+                 coverage_steps: int, steps_taken: int) -> None:
+        self.adapter, self.options, self.collective, self._names = adapter, options, collective, names
+        self.policy, self.remedy, self.check_every = options.policy, options.remedy_rule, coverage_steps
+        acts = self.remedy is not None or self.policy is not None  # check steps read underflow (they may reset)
+        readers = ((RECENT_FOR_CHECKS,) if acts else ()) + \
+            ((RECENT_FOR_POLICY,) if self.policy is not None and self.policy.needs_measurement else ())
+        self.engine = StallEngine(adapter, f"opt{index}", options.track == "exact", options.sample_size,
+                                  options.params_per_step, max(1, coverage_steps // options.track_every), options.seed,
+                                  readers)
+        self.schedule = ResetSchedule()
+        self.forecast = StallForecast(collective, warn, self.name)
+        self.interventions = Interventions(adapter, self.engine, self.schedule, underflow_guard=options.underflow_guard,
+                                           warmup_steps=options.warmup_steps,
+                                           exact_v_reset=options.v_reset == "exact-unbounded", listeners=listeners,
+                                           name=self.name)
+        self.steps = steps_taken  # real optimizer steps seen (restored from checkpoints)
+        self.adopted = -1  # the engine version whose units the schedule holds
+        self.announced = False
+        self.estimated: set[int] = set()  # positions given a grid estimate since the last period report
+        self.foreseen: set[str] = set()  # keys of the parameters the remedy has judged from their rho-hat
+        self.adopt()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.adapter.optimizer
+
+    def name(self, unit: ResetUnit) -> str:
+        """A parameter's readable name."""
+        return self._names(unit.param, unit.key, self.engine.prefix)
+
+    # -- the step ----------------------------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        self.engine.before_step((self.steps + 1) % self.options.track_every == 0)
+        self.adopt()
+        self.interventions.before_step()
+
+    def after_step(self) -> None:
+        # GradScaler hands a fused/AMP-aware optimizer its verdict as the attribute ``found_inf`` during step()
+        found_inf = getattr(self.optimizer, "found_inf", None)
+        if found_inf is not None and bool(found_inf):  # a host sync, only under GradScaler with a fused optimizer
+            self.engine.discard()
+            return
+        self.steps += 1
+        self.interventions.warm_up()
+        measured = self.engine.after_step()
+        self.adopt(after_step=True)
+        self.interventions.guard()
+        waiting = [u.position for u in self.engine.measured_cohort
+                   if self.forecast.waiting(self.schedule.units[u.position])]
+        if waiting:  # a first estimate at the first measurement (one host read): predictions from the first window on
+            self.estimate(waiting)
+        if measured:
+            self.forecast.record(measured, self.schedule)
+        self.schedule.advance()
+        if self.steps % self.check_every == 0:
+            self.check()
+        if self.policy is not None:
+            self.decide(measured)
+
+    def check(self) -> None:
+        """A check step (every ``coverage_steps``): the grid estimates due; where something may reset or guard, the
+        drift of every driver group and each parameter's v underflow since the last check, agreed across ranks (one
+        host read, one collective), into the schedule; reset parameters whose v still underflows stay guarded; then
+        the remedy acts."""
+        due = self.forecast.due(self.steps // self.check_every)
+        if due:
+            self.estimate(due)
+        if self.remedy is None and self.policy is None:
+            return
+        recent = self.engine.take_recent(RECENT_FOR_CHECKS)
+        self.schedule.set_signals(*self.engine.agreed_signals(self.collective.sum(self.engine.signals(recent))))
+        self.interventions.keep_guarding(self.check_every)
+        if self.remedy is not None:
+            self.interventions.apply_remedy(self.remedy, self.steps, self.check_every)
+
+    def decide(self, measured: list[Batch]) -> None:
+        """The policy: it observes the measured stall fractions (when it asks), then what is due is reset."""
+        if self.policy.needs_measurement and measured:
+            recent = self.engine.take_recent(RECENT_FOR_POLICY)  # one host read per measured step
+            for entry in (e for batch in measured for e in batch.entries):
+                unit = self.schedule.units[entry.unit.position]
+                if unit.driver() is entry.slot:
+                    stalled, counted, _ = recent[entry.row]
+                    self.policy.observe(unit, stalled / counted if counted > 0 else math.nan)
+        due = self.policy.due(self.schedule, self.steps)
+        if self.policy.needs_sync and self.collective.active:
+            due = self.collective.sum(due.astype(np.float64)) > 0
+        if due.any():
+            units = [self.schedule.units[i] for i in np.flatnonzero(due)]
+            self.interventions.reset(units, self.policy.moments, self.steps)
+
+    # -- parameters appearing and their theory -----------------------------------------------------------------------
+    def adopt(self, after_step: bool = False) -> None:
+        """Align the schedule and the forecast with the engine's units; let the policy choose the periods of the
+        parameters whose rho-hat is known; announce the optimizer at its first parameters.
+
+        A parameter whose state existed before monitoring began (a checkpoint saved without the monitor) is as old as
+        its optimizer step counter says; inside the post-step hook that counter already includes this step, which
+        the schedule adds next."""
+        if self.adopted == self.engine.version:
+            return
+        self.adopted = self.engine.version
+        new = self.schedule.sync(self.engine.units, lambda unit: max(0, (self.adapter.steps_taken(unit.param) or 0)
+                                                                     - after_step))
+        self.forecast.align(self.engine.entries)
+        self.forecast.adopt(self.schedule)
+        self.configure([u for u in self.schedule.units if u.period_source == "" and not self.forecast.waiting(u)])
+        if new and not self.announced:
+            self.announced = True
+            mixed = self.mixed_precision()  # a collective: every rank adopts at the same step
+            info(fit_start_report(self.adapter, self.engine, self.schedule, self.forecast.pending, self.policy,
+                                  self.remedy, self.options.track_every, mixed))
+        self.foresee()
+
+    def estimate(self, positions: list[int]) -> None:
+        """Grid estimates of the parameters at ``positions``; the periods, once every state has settled."""
+        changed = self.forecast.estimate(self.schedule, positions)
+        self.configure(changed)
+        self.foresee()
+        self.estimated.update(u.position for u in changed)
+        if changed and not self.forecast.pending:
+            line = period_report(self.schedule, self.policy, only=self.estimated,
+                                 title="reset periods from the settled grid estimates")
+            if line:
+                info(line)
+            self.estimated = set()
+
+    def foresee(self) -> None:
+        """Let the remedy judge each parameter once, from its rho-hat, as soon as that is known."""
+        if self.remedy is None:
+            return
+        units = [u for u in self.schedule.units if u.key not in self.foreseen and u.rho is not None]
+        if units:
+            self.foreseen.update(u.key for u in units)
+            self.interventions.foresee(self.remedy, units, self.steps)
+
+    def configure(self, units: list[ResetUnit]) -> None:
+        if self.policy is not None:
+            for unit in units:
+                self.policy.configure(unit)
+
+    def mixed_precision(self) -> list[str]:
+        """With several processes, the parameters whose low-precision state fell back to fp32 on some ranks only."""
+        if not self.collective.active:
+            return []
+        flags = [[float(any(s.format != "fp32" for s in u.slots)), 1.0] for u in self.schedule.units]
+        counts = self.collective.sum(np.array(flags, dtype=np.float64).reshape(-1, 2))
+        return [self.name(u) for u, (n_low, n) in zip(self.schedule.units, counts.tolist()) if 0 < n_low < n]
+
+    # -- checkpointing -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "engine": self.engine.state_dict(), "forecast": self.forecast.state_dict(),
+                "schedule": self.schedule.state_dict(), "interventions": self.interventions.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any], counts: bool, shadows: bool, periods: bool) -> None:
+        """Continue from a :meth:`state_dict`; ``counts`` and ``shadows``: whether the unlogged counts and the drift
+        shadows are this process's (see the monitor); ``periods``: whether the saved periods continue."""
+        self.steps = int(state["steps"])
+        self.engine.load_state_dict(state["engine"], counts=counts, shadows=shadows)
+        self.forecast.load_state_dict(state["forecast"], window=counts)
+        self.schedule.load_state_dict(state["schedule"], periods=periods)
+        self.interventions.load_state_dict(state["interventions"])
+        self.adopted = -1
