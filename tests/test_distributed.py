@@ -25,7 +25,7 @@ from lightning_stale.metrics import MOMENTS, PER_MOMENT, V_COUNTED, V_STALLED  #
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 # Optimizer steps per rank (global_step); two optimizers step once per batch, so half as many batches.
-STEPS = {"adaptive": 60, "theory": 180, "auto": 60}
+STEPS = {"adaptive": 60, "theory": 520, "auto": 60}
 
 
 def run_worker(tmp_path: Path, reset: str) -> tuple[dict, dict, list[dict[str, str]]]:
