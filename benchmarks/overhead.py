@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_stale import StaleStateCallback
 from lightning_stale.guard import GuardPlan
 from lightning_stale.optim import QuantizedAdamW
+from lightning_stale.track import OptimizerTrack
 
 TENSOR_COUNTS = (16, 128, 512, 1024)
 TOTAL_PARAMS = 3_000_000
@@ -123,12 +124,11 @@ class TimedCallback(StaleStateCallback):
 
     def on_train_start(self, trainer, pl_module):
         super().on_train_start(trainer, pl_module)
-        monitor = self.monitor
-        before, after = monitor._before, monitor._after
+        before, after = OptimizerTrack.before_step, OptimizerTrack.after_step
 
-        def timed_after(attached):
+        def timed_after(track):
             self.update[-1] += time.perf_counter() - self._update_start
-            return self._timed(after, attached)
+            return self._timed(after, track)
 
         def timed_guard(plan, *args, **kwargs):
             start = time.perf_counter()
@@ -136,12 +136,15 @@ class TimedCallback(StaleStateCallback):
             self.guard[-1] += time.perf_counter() - start
             return out
 
-        monitor._before = lambda attached: self._timed(before, attached)
-        monitor._after = timed_after
+        # the monitor's step hooks are its tracks' before_step and after_step: timed for this run
+        OptimizerTrack.before_step = lambda track: self._timed(before, track)
+        OptimizerTrack.after_step = timed_after
         GuardPlan.run = timed_guard
+        self._hooks = before, after
 
     def on_train_end(self, trainer, pl_module):
         GuardPlan.run = self._guard_run
+        OptimizerTrack.before_step, OptimizerTrack.after_step = self._hooks
         super().on_train_end(trainer, pl_module)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
