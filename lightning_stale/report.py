@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from lightning_stale.adapters.protocol import OptimizerAdapter
+from lightning_stale.adapters.layouts import BlockFp8Slot
+from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
 from lightning_stale.engine import StallEngine
 from lightning_stale.policies import ResetPolicy
 from lightning_stale.remedies import Remedy
@@ -37,6 +38,12 @@ def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: R
     periods = period_report(schedule, policy, exclude=waiting)
     if periods:
         lines.append(periods)
+    trapped = [u for u in schedule.units if any(zero_trapping(s) for s in u.slots)]
+    if policy is not None and "m" in policy.moments and trapped:
+        lines.append(f"[lightning_stale] note: {len(trapped)} parameter(s) keep v in fp8 with one scale per tensor, "
+                     "where a reset of both moments restarts v from zero and nearest rounding keeps its small lanes "
+                     "there: it cost loss in BENCHMARKS.md (benchmarks/reset_zeros.py, the long plan). "
+                     "moments=('v',) restarts v without zeros; remedy='auto' does not reset them")
     if pending:
         lines.append(f"[lightning_stale] {len(pending)} parameter(s) get their rho-hat (and period) from their stored "
                      "values at check steps, final once their state has settled")
@@ -53,3 +60,9 @@ def period_report(schedule: ResetSchedule, policy: ResetPolicy | None, exclude: 
         if policy is not None and chosen and unit.period_source:
             periods[f"{unit.period} ({unit.period_source})"] += 1
     return f"[lightning_stale] {title}: " + ", ".join(f"{k} x{n}" for k, n in periods.items()) if periods else ""
+
+
+def zero_trapping(slot: Slot) -> bool:
+    """Whether a reset of ``slot`` to zero can trap small lanes at zero: a second moment in fp8 with one scale for the
+    whole tensor, whose smallest step then sits far above the tensor's small elements' updates."""
+    return slot.moment == "v" and isinstance(slot, BlockFp8Slot) and slot.block_size >= slot.numel

@@ -91,3 +91,20 @@ def test_the_fit_start_report_names_the_periods_it_chose(caplog):
     for name in ("0.weight", "0.bias", "2.weight"):
         assert f"{periods[name]} (" in line
     assert all(u.rho_state != RHO_PENDING for u in monitor.units())
+
+
+@pytest.mark.parametrize("moments", [("m", "v"), ("v",)])
+def test_full_resets_of_per_tensor_fp8_states_are_called_out_at_fit_start(caplog, moments):
+    """A reset of both moments restarts a per-tensor fp8 v from zero, where its small lanes stay (the report says so
+    and what to use instead); a v-only reset restarts v without zeros and gets no note."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    optimizer = make_optimizer("qadamw:fp8_e4m3", model.parameters())
+    with caplog.at_level(logging.INFO):
+        StaleStateMonitor(optimizer, reset="theory", moments=moments, names=model)
+        _train(model, optimizer, 2)
+    note = [line for line in caplog.text.splitlines() if "with one scale per tensor" in line]
+    if moments == ("v",):
+        assert not note
+    else:
+        assert len(note) == 1 and "2 parameter(s)" in note[0] and "moments=('v',)" in note[0]
