@@ -4,9 +4,9 @@ Float formats (bf16, fp16, fp8, fp4) take the paper's closed form from the forma
 dynamic map of bitsandbytes/torchao, foreign layouts) take the generalized estimate on a sample of the slot's stored
 values and local spacing (:func:`lightning_stale.theory.estimate_grid`, our extension of the paper), re-taken as the
 state evolves (closely until it has settled, :func:`settle_age`) so that the live estimate agrees with one of a later
-checkpoint. Estimated
-rho-hats are rounded to a 1% bucket so that slots share their periods. The predicted stall is evaluated in closed form
-for the few parameters measured on a step, so nothing grows with the run or the number of distinct rho-hats.
+checkpoint. Estimated rho-hats are rounded to a 1% bucket so that slots share their periods. The predicted stall is
+evaluated in closed form for the few parameters measured on a step, so nothing grows with the run or the number of
+distinct rho-hats.
 """
 
 from __future__ import annotations
