@@ -9,10 +9,10 @@ periods, both moments / v only) / adaptive / periodic / drift (``reset=...``; fp
 every 300 steps) and auto (``remedy="auto"``).
 
 For every learning rate it prints the grid (mean ± std over seeds), then per column the gap of nearest rounding to
-fp32 paired by seed (runs with one seed share initialization and data order) and whether it exceeds 3 paired std,
-and per configuration the paired change against its nearest baseline, the share of the gap it recovers (where the
-gap is significant), and what
-the callback logged: v stall fraction (mean over the run), v underflow (mean), v drift (at the end), resets, and
+fp32 paired by seed (runs with one seed share initialization and data order) with its 95% interval (Student's t,
+n-1 degrees of freedom; significant when the interval excludes zero), and per configuration the paired change
+against its nearest baseline with its interval, the share of the gap it recovers (where the gap is significant),
+and what the callback logged: v stall fraction (mean over the run), v underflow (mean), v drift (at the end), resets, and
 for ``auto`` the parameters it guards and the resets it made.
 
 Runs are independent single-thread processes (``--workers``, default 2: both cores of a 2-core machine).
@@ -39,6 +39,7 @@ from pathlib import Path
 
 from lightning_stale.demo.configs import CONFIGS, DemoSettings
 from lightning_stale.demo.model import DecoderConfig
+from lightning_stale.demo.stats import PairedDifference
 from lightning_stale.demo.training import prepare_corpus, train_config
 
 COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16")
@@ -55,7 +56,6 @@ def cell_config(row: str, column: str) -> str | None:
     if row == "stochastic":
         return None if column in NO_STOCHASTIC else f"{column}-sr"
     return column + SUFFIX[row]
-SIGNIFICANT = 3.0  # a gap counts when it exceeds this many paired standard deviations
 TARGET_SHARE = 0.8
 # The default plan, 84 runs of 600 steps (about an hour on 2 cores): at lr 4e-3 (2x fp32's best, where
 # low-precision states lose loss) every remedy on fp8, all but adaptive on fp4, the cheap ones elsewhere; at lr 2e-3
@@ -90,7 +90,8 @@ def _train(name: str, settings: DemoSettings, log_root: str) -> dict:
     warnings.filterwarnings("ignore")
     corpus = prepare_corpus(settings)
     result = train_config(CONFIGS[name], settings, corpus, Path(log_root) / f"lr{settings.lr:g}")
-    return {"name": name, "lr": settings.lr, "seed": settings.seed, "val_loss": result.val_loss,
+    return {"name": name, "lr": settings.lr, "seed": settings.seed, "corpus_sha256": corpus.identity.sha256,
+            "val_loss": result.val_loss,
             "seconds": result.seconds, **{k: getattr(result, k) for k in (
                 "v_frac", "v_predicted", "v_drift", "v_underflow", "resets", "remedy_guard", "remedy_stochastic",
                 "remedy_reset",
@@ -120,14 +121,11 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
         if not seeds:
             return "-"
         mean, std = _mean_std([r["val_loss"] for r in seeds.values()])
-        return f"{mean:.4f}" + (f" ± {std:.4f}" if len(seeds) > 1 else "") + ("" if len(seeds) == 3 else
-                                                                                f" (n={len(seeds)})")
+        return f"{mean:.4f}" + (f" ± {std:.4f}" if len(seeds) > 1 else "") + f" (n={len(seeds)})"
 
-    def paired(name: str, reference: str) -> tuple[float, float]:
+    def paired(name: str, reference: str) -> PairedDifference:
         seeds = sorted(set(by_name.get(name, {})) & set(by_name.get(reference, {})))
-        if not seeds:
-            return math.nan, math.nan
-        return _mean_std([by_name[name][s]["val_loss"] - by_name[reference][s]["val_loss"] for s in seeds])
+        return PairedDifference.of([by_name[name][s]["val_loss"] - by_name[reference][s]["val_loss"] for s in seeds])
 
     def signal(name: str, key: str) -> float:
         values = [r[key] for r in by_name.get(name, {}).values() if r.get(key) is not None]
@@ -137,32 +135,32 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
     for row in rows:
         lines.append(f"| {row} | " + " | ".join(loss(cell_config(row, c)) if row in cells[c] else "-"
                                                 for c in columns) + " |")
-    lines += ["", "| column | gap of nearest to fp32, paired ± std | > 3 std |", "|---|---|---|"]
+    lines += ["", "| column | gap of nearest to fp32, paired, [95% interval] | seeds | significant |", "|---|---|---|---|"]
     gaps = {}
     for column in columns:
         if column == "fp32" or column not in by_name:
             continue
-        gap, std = paired(column, "fp32")
-        if gap > SIGNIFICANT * std:  # a share of a gap within the noise means nothing
-            gaps[column] = gap
-        lines.append(f"| {column} | {gap:+.4f} ± {_fmt(std, '.4f')} | "
-                     f"{'yes' if gap > SIGNIFICANT * std else 'no'} |")
-    lines += ["", "| configuration | change vs its baseline, paired | recovered | v stall | v underflow | v drift "
-                  "(end) | resets | auto: guarded, SR, resets |", "|---|---|---|---|---|---|---|---|"]
+        gap = paired(column, "fp32")
+        if gap.significant and gap.mean > 0:  # a share of a gap within the noise means nothing
+            gaps[column] = gap.mean
+        lines.append(f"| {column} | {gap} | {gap.n} | {'yes' if gap.significant else 'no'} |")
+    lines += ["", "| configuration | change vs its baseline, paired, [95% interval] | significant | recovered | "
+                  "v stall | v underflow | v drift (end) | resets | auto: guarded, SR, resets |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for column in columns:
         for row in rows:
             name = cell_config(row, column)
             if row not in cells[column] or name not in by_name:
                 continue
             baseline = "fp32" if column == "fp32" else column
-            change, std = paired(name, baseline) if name != baseline else (math.nan, math.nan)
+            change = paired(name, baseline) if name != baseline else PairedDifference.of([])
             gap = gaps.get(column, math.nan)
-            share = (0.0 - change) / gap if not math.isnan(change) else math.nan
+            share = (0.0 - change.mean) / gap if not math.isnan(change.mean) else math.nan
             remedy = (f"{signal(name, 'remedy_guard'):.1f}, {_fmt(signal(name, 'remedy_stochastic'), '.1f')}, "
                       f"{signal(name, 'remedy_reset'):.1f}" if row == "auto" else "-")
             lines.append(
-                f"| {name} | {_fmt(change, '+.4f')}" + (f" ± {std:.4f}" if not math.isnan(std) else "") +
-                f" | {_fmt(100 * share, '.0f') + ('%' if not math.isnan(share) else '')} | "
+                f"| {name} | {change} | {'yes' if change.significant else ('no' if change.n > 1 else '-')} | "
+                f"{_fmt(100 * share, '.0f') + ('%' if not math.isnan(share) else '')} | "
                 f"{_fmt(signal(name, 'v_frac'), '.3f')} | {_fmt(signal(name, 'v_underflow'), '.4f')} | "
                 f"{_fmt(signal(name, 'v_drift'), '.2f')} | {_fmt(signal(name, 'resets'), '.1f')} | {remedy} |")
     return "\n".join(lines)
@@ -181,10 +179,21 @@ def plan(args: argparse.Namespace) -> dict[float, dict[str, tuple[str, ...]]]:
     return {lr: PLAN.get(lr, PLAN[4e-3]) for lr in args.lrs}
 
 
-def _train_all(args: argparse.Namespace, base: DemoSettings, cells: dict, out: Path) -> list[dict]:
+def saved_runs(path: Path, sha256: str) -> list[dict]:
+    """The runs in ``path`` trained on the corpus with this hash (runs on other bytes are left out, and counted)."""
+    if not path.exists():
+        return []
+    runs = json.loads(path.read_text())["runs"]
+    kept = [r for r in runs if r.get("corpus_sha256") == sha256]
+    if len(kept) < len(runs):
+        print(f"{path}: {len(runs) - len(kept)} runs on another corpus (or none recorded) left out", flush=True)
+    return kept
+
+
+def _train_all(args: argparse.Namespace, base: DemoSettings, cells: dict, out: Path, sha256: str) -> list[dict]:
     """Run every (lr, configuration, seed); save runs.json after each finished run (``--resume`` keeps the runs
-    already there and trains only the missing ones)."""
-    runs = json.loads((out / "runs.json").read_text())["runs"] if args.resume and (out / "runs.json").exists() else []
+    already there on the same corpus and trains only the missing ones)."""
+    runs = saved_runs(out / "runs.json", sha256) if args.resume else []
     done = {(r["name"], r["lr"], r["seed"]) for r in runs}
     jobs = [(name, replace(base, lr=lr, seed=seed)) for lr, columns in cells.items()  # row by row: baselines first
             for name in dict.fromkeys(cell_config(r, c) for r in ROWS for c, rows in columns.items() if r in rows)
@@ -222,7 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--columns", default="", help=f"subset of {','.join(COLUMNS)} (default: the plan's)")
     parser.add_argument("--rows", default="", help=f"subset of {','.join(ROWS)} (default: the plan's)")
     parser.add_argument("--workers", type=int, default=2, help="parallel single-thread runs (default: 2)")
-    parser.add_argument("--data", default=None, help="text file or folder (default: the stdlib source)")
+    parser.add_argument("--data", default=None, help="text file or folder (default: the shipped corpus)")
     parser.add_argument("--out", default=None, help="folder for logs and results (default: out/recovery, "
                                                      "out/recovery-long)")
     parser.add_argument("--resume", action="store_true",
@@ -253,20 +262,21 @@ def main(argv: list[str] | None = None) -> int:
                           context=args.context)
     base = DemoSettings(steps=args.steps, batch_size=args.batch_size, model=model, beta2=args.beta2,
                         data=args.data, progress_bar=False, log_every=max(10, args.steps // 100))
-    prepare_corpus(base)  # fail fast on a bad --data
+    corpus = prepare_corpus(base).identity  # fails fast on a bad --data
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cells = plan(args)
     saved = out / "runs.json"
     start = time.perf_counter()
-    runs = json.loads(saved.read_text())["runs"] if args.summarize_only else _train_all(args, base, cells, out)
+    runs = saved_runs(saved, corpus.sha256) if args.summarize_only else _train_all(args, base, cells, out,
+                                                                                     corpus.sha256)
     minutes = (time.perf_counter() - start) / 60
     command = "python benchmarks/recovery.py " + " ".join(sys.argv[1:] if argv is None else argv)
     header = (f"{args.steps} steps, beta2 {args.beta2}, warm-up 10% then cosine to 10%, model dim {args.dim} x "
               f"{args.layers} layers, batch {args.batch_size} x {args.context} bytes, seeds {args.seeds}; "
               f"{len(runs)} runs on {os.cpu_count()} cores" + ("" if args.summarize_only else
                                                                f" in {minutes:.1f} min") +
-              f".\n`{command.strip()}`" + (" (tables rebuilt from the saved runs)" if args.summarize_only else ""))
+              f".\nCorpus: {corpus}.\n`{command.strip()}`" + (" (tables rebuilt from the saved runs)" if args.summarize_only else ""))
     text = header + "\n\n" + "\n\n".join(summarize(runs, lr, columns) for lr, columns in cells.items())
     (out / "recovery.md").write_text(text + "\n")
     print(text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -13,10 +14,11 @@ import torch
 
 from lightning_stale.commands import demo as demo_command
 from lightning_stale.demo.configs import CONFIGS, DEFAULT_CONFIGS, DemoSettings, resolve_configs
-from lightning_stale.demo.data import ByteCorpus, load_corpus, stdlib_source_files
+from lightning_stale.demo.data import DEFAULT_CORPUS_SHA256, ByteCorpus, CorpusIdentity, load_corpus
 from lightning_stale.demo.model import Decoder, DecoderConfig, LanguageModel, OptimizerSpec, warmup_cosine
 from lightning_stale.demo.report import recovered_share
 from lightning_stale.demo.runner import run_demo
+from lightning_stale.demo.stats import PairedDifference, t975
 from lightning_stale.demo.training import optimizer_state_bytes
 
 TINY = DecoderConfig(dim=32, n_layers=1, n_heads=2, hidden=64, context=16)
@@ -121,11 +123,24 @@ def test_corpus_errors_and_split(tmp_path: Path) -> None:
     assert torch.equal(x[:, 1:], y[:, :-1])
 
 
-def test_default_corpus_is_the_stdlib_source() -> None:
-    files = stdlib_source_files()
-    assert files and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
-    corpus = load_corpus(max_bytes=10_000)
-    assert len(corpus) == 10_000 and corpus.startswith(files[0].read_bytes()[:100])
+def test_default_corpus_is_the_pinned_shipped_text() -> None:
+    corpus = load_corpus()
+    # the benchmark tables in BENCHMARKS.md name this hash: a change of the shipped bytes must be deliberate
+    assert CorpusIdentity.of(corpus, "default") == CorpusIdentity("default", DEFAULT_CORPUS_SHA256, 4_000_000)
+    assert corpus.startswith(b"\"\"\"Record of phased-in incompatible language changes.")  # CPython's __future__.py
+    assert load_corpus(max_bytes=10_000) == corpus[:10_000]
+    assert ByteCorpus(corpus[:10_000], context=8, source="x").identity.size == 10_000
+
+
+def test_paired_difference_interval() -> None:
+    diff = PairedDifference.of([1.0, 2.0, 3.0, 4.0, 5.0])  # sd 1.5811, t(4) 2.776: half-width 1.963
+    assert (diff.mean, diff.n) == (3.0, 5) and diff.half_width == pytest.approx(1.9630, abs=1e-4)
+    assert diff.significant and not PairedDifference.of([-1.0, 0.5, 1.0]).significant
+    assert PairedDifference.of([-0.2, -0.21, -0.19]).significant  # below zero counts too
+    assert not PairedDifference.of([0.5]).significant and str(PairedDifference.of([0.5])) == "+0.5000 (n=1)"
+    assert t975(40) == pytest.approx(2.0211, abs=2e-4) and t975(1000) == pytest.approx(1.9623, abs=2e-4)
+    with pytest.raises(ValueError, match="df"):
+        t975(0)
 
 
 def test_recovered_share() -> None:
@@ -170,8 +185,9 @@ def test_demo_smoke_run(tmp_path: Path) -> None:
     assert [r.name for r in results] == ["fp32", "bnb8bit+reset"]
     assert all(torch.isfinite(torch.tensor(r.val_loss)) for r in results)
     assert (out / "demo.png").stat().st_size > 10_000
-    saved = json.loads((out / "results.json").read_text())["results"]
-    assert [r["val_loss"] for r in saved] == [r.val_loss for r in results]
+    saved = json.loads((out / "results.json").read_text())
+    assert [r["val_loss"] for r in saved["results"]] == [r.val_loss for r in results]
+    assert saved["corpus"]["source"] == str(text) and saved["corpus"]["size"] == len(text.read_bytes())
     table = (out / "results.txt").read_text()
     assert table.startswith("config") and "bnb8bit+reset" in table
     for r in results:
@@ -192,6 +208,8 @@ def test_demo_command_prints_table_and_paths(tmp_path: Path, capsys: pytest.Capt
     assert cli.main(["demo", "--steps", "3", "--configs", "fp32", "--out", str(out), "--data", str(text)]) == 0
     printed = capsys.readouterr().out
     assert "val loss" in printed and str(out / "demo.png") in printed and (out / "demo.png").exists()
+    digest = hashlib.sha256(text.read_bytes()).hexdigest()
+    assert f"corpus: {text}: {len(text.read_bytes()):,} bytes, sha256 {digest}" in printed
 
 
 def test_demo_reports_a_missing_data_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

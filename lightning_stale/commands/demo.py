@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data",
         default=None,
-        help="a text file or folder to train on (default: the Python standard library's *.py source)",
+        help="a text file or folder to train on (default: the shipped corpus, 4 MB of CPython 3.11.7's standard "
+        "library source: the same bytes on every machine)",
     )
 
 
@@ -65,9 +66,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"lightning-stale demo: error: {error}")
         return 2
     out = Path(args.out)
+    print(f"corpus: {corpus.identity}", flush=True)
     results = run_demo(settings, configs, out, corpus, workers=args.workers)
     print()
     print(format_table(results))
+    print(f"corpus: {corpus.identity}")
     print()
     print(f"table:   {out / 'results.txt'} (and results.json)")
     print(f"figure:  {out / 'demo.png'}")

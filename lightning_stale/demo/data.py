@@ -1,4 +1,5 @@
-"""Offline byte-level corpus for the demo: the Python standard library's own source, or any text the user points at.
+"""Offline byte-level corpus for the demo: a pinned, shipped text (the same bytes on every machine), or any text the
+user points at.
 
 Every configuration of a demo run sees exactly the same batches in the same order: batch positions are drawn once
 from a seeded generator, so differences between runs come from the optimizer, not from the data.
@@ -6,21 +7,34 @@ from a seeded generator, so differences between runs come from the optimizer, no
 
 from __future__ import annotations
 
-import sysconfig
+import hashlib
+import lzma
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 DEFAULT_MAX_BYTES = 4_000_000
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+DEFAULT_CORPUS = Path(__file__).with_name("corpus") / "cpython-3.11.7-lib.txt.xz"
+# sha256 of the decompressed default corpus (CPython 3.11.7's Lib/*.py, first 4 MB; corpus/README.md)
+DEFAULT_CORPUS_SHA256 = "1b4fd9d8b14a7d57d8b724082aea6af0184f02b2c734b55b17ef18281995502b"
 
 
-def stdlib_source_files() -> list[Path]:
-    """The standard library's ``*.py`` files (third-party packages excluded), sorted by relative path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts) and p.is_file()]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+@dataclass(frozen=True)
+class CorpusIdentity:
+    """What a run trained on: the source's name, the bytes' sha256 and their count (printed and stored with runs)."""
+
+    source: str
+    sha256: str
+    size: int
+
+    @classmethod
+    def of(cls, corpus: bytes, source: str) -> CorpusIdentity:
+        return cls(source=source, sha256=hashlib.sha256(corpus).hexdigest(), size=len(corpus))
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.size:,} bytes, sha256 {self.sha256}"
 
 
 def _text_files(folder: Path) -> list[Path]:
@@ -33,24 +47,26 @@ def _text_files(folder: Path) -> list[Path]:
     return files
 
 
+def corpus_source(path: str | Path | None) -> str:
+    """The name a corpus is reported under: the shipped default's file name, else the user's path."""
+    return DEFAULT_CORPUS.name if path is None else str(Path(path).expanduser())
+
+
 def load_corpus(path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """Read up to ``max_bytes`` of text: the stdlib source when ``path`` is None, else a text file or a folder of them.
+    """Read up to ``max_bytes`` of text: the shipped default corpus when ``path`` is None, else a text file or a
+    folder of them.
 
     Raises FileNotFoundError for a missing path and ValueError when nothing readable is found.
     """
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     if path is None:
-        files = stdlib_source_files()
-        where = f"the Python standard library at {sysconfig.get_paths()['stdlib']}"
-    else:
-        path = Path(path).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"--data path does not exist: {path}")
-        files = _text_files(path) if path.is_dir() else [path]
-        where = str(path)
+        return lzma.decompress(DEFAULT_CORPUS.read_bytes())[:max_bytes]
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"--data path does not exist: {path}")
     chunks, size = [], 0
-    for file in files:
+    for file in _text_files(path) if path.is_dir() else [path]:
         data = file.read_bytes()[: max_bytes - size]
         chunks.append(data)
         size += len(data)
@@ -58,7 +74,7 @@ def load_corpus(path: str | Path | None = None, max_bytes: int = DEFAULT_MAX_BYT
             break
     corpus = b"".join(chunks)
     if not corpus:
-        raise ValueError(f"empty corpus: no text found in {where}")
+        raise ValueError(f"empty corpus: no text found in {path}")
     return corpus
 
 
@@ -81,13 +97,15 @@ class ByteCorpus:
     """A corpus split into train and validation bytes, with seeded fixed-order loaders for both.
 
     ``val_fraction`` of the bytes at the end form the validation split, so no validation window overlaps training.
+    ``identity`` names the bytes (source, sha256, size) for reports.
     """
 
-    def __init__(self, corpus: bytes, context: int, val_fraction: float = 0.05) -> None:
+    def __init__(self, corpus: bytes, context: int, val_fraction: float = 0.05, source: str = "text") -> None:
         if context < 1:
             raise ValueError(f"context must be >= 1, got {context}")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        self.identity = CorpusIdentity.of(corpus, source)
         data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
         split = int(len(data) * (1.0 - val_fraction))
         self.train, self.val, self.context = data[:split], data[split:], context

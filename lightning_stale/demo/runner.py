@@ -68,7 +68,7 @@ def run_demo(
             torch.set_num_threads(threads)
     table = format_table(results)
     (out / "results.txt").write_text(table + "\n")
-    summary = {"settings": asdict(settings), "results": [asdict(r) for r in results]}
+    summary = {"settings": asdict(settings), "corpus": asdict(corpus.identity), "results": [asdict(r) for r in results]}
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     title = f"{settings.steps} steps, lr {settings.lr:g}, beta2 {settings.beta2}, seed {settings.seed}"
     plot_results(results, out / "demo.png", title=title)

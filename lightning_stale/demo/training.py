@@ -22,7 +22,7 @@ import torch
 
 from lightning_stale import metrics
 from lightning_stale.demo.configs import DemoSettings, RunConfig
-from lightning_stale.demo.data import ByteCorpus, load_corpus
+from lightning_stale.demo.data import ByteCorpus, corpus_source, load_corpus
 from lightning_stale.demo.model import LanguageModel
 from lightning_stale.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
 
@@ -192,7 +192,8 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
 
 def prepare_corpus(settings: DemoSettings) -> ByteCorpus:
     """Load and split the settings' corpus; FileNotFoundError / ValueError for a missing path or too little text."""
-    return ByteCorpus(load_corpus(settings.data, settings.max_bytes), settings.model.context)
+    return ByteCorpus(load_corpus(settings.data, settings.max_bytes), settings.model.context,
+                      source=corpus_source(settings.data))
 
 
 __all__ = [
