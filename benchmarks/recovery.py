@@ -38,6 +38,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from lightning_stale.demo.configs import CONFIGS, DemoSettings
+from lightning_stale.demo.data import cpu_kernels
 from lightning_stale.demo.model import DecoderConfig
 from lightning_stale.demo.stats import PairedDifference
 from lightning_stale.demo.training import prepare_corpus, train_config
@@ -91,6 +92,7 @@ def _train(name: str, settings: DemoSettings, log_root: str) -> dict:
     corpus = prepare_corpus(settings)
     result = train_config(CONFIGS[name], settings, corpus, Path(log_root) / f"lr{settings.lr:g}")
     return {"name": name, "lr": settings.lr, "seed": settings.seed, "corpus_sha256": corpus.identity.sha256,
+            "cpu_kernels": cpu_kernels(),
             "val_loss": result.val_loss,
             "seconds": result.seconds, **{k: getattr(result, k) for k in (
                 "v_frac", "v_predicted", "v_drift", "v_underflow", "resets", "remedy_guard", "remedy_stochastic",
@@ -276,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.layers} layers, batch {args.batch_size} x {args.context} bytes, seeds {args.seeds}; "
               f"{len(runs)} runs on {os.cpu_count()} cores" + ("" if args.summarize_only else
                                                                f" in {minutes:.1f} min") +
-              f".\nCorpus: {corpus}.\n`{command.strip()}`" + (" (tables rebuilt from the saved runs)" if args.summarize_only else ""))
+              f".\nCorpus: {corpus}; CPU kernels: "
+              f"{', '.join(sorted({r.get('cpu_kernels', '?') for r in runs}))}.\n`{command.strip()}`" + (" (tables rebuilt from the saved runs)" if args.summarize_only else ""))
     text = header + "\n\n" + "\n\n".join(summarize(runs, lr, columns) for lr, columns in cells.items())
     (out / "recovery.md").write_text(text + "\n")
     print(text)

@@ -188,6 +188,7 @@ def test_demo_smoke_run(tmp_path: Path) -> None:
     saved = json.loads((out / "results.json").read_text())
     assert [r["val_loss"] for r in saved["results"]] == [r.val_loss for r in results]
     assert saved["corpus"]["source"] == str(text) and saved["corpus"]["size"] == len(text.read_bytes())
+    assert saved["cpu_kernels"] == torch.backends.cpu.get_cpu_capability()
     table = (out / "results.txt").read_text()
     assert table.startswith("config") and "bnb8bit+reset" in table
     for r in results:
@@ -209,7 +210,7 @@ def test_demo_command_prints_table_and_paths(tmp_path: Path, capsys: pytest.Capt
     printed = capsys.readouterr().out
     assert "val loss" in printed and str(out / "demo.png") in printed and (out / "demo.png").exists()
     digest = hashlib.sha256(text.read_bytes()).hexdigest()
-    assert f"corpus: {text}: {len(text.read_bytes()):,} bytes, sha256 {digest}" in printed
+    assert f"corpus: {text}: {len(text.read_bytes()):,} bytes, sha256 {digest}; CPU kernels: " in printed
 
 
 def test_demo_reports_a_missing_data_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from lightning_stale.demo.configs import DemoSettings, resolve_configs
+    from lightning_stale.demo.data import cpu_kernels
     from lightning_stale.demo.report import format_table
     from lightning_stale.demo.runner import run_demo
     from lightning_stale.demo.training import prepare_corpus
@@ -66,11 +67,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"lightning-stale demo: error: {error}")
         return 2
     out = Path(args.out)
-    print(f"corpus: {corpus.identity}", flush=True)
+    print(f"corpus: {corpus.identity}; CPU kernels: {cpu_kernels()}", flush=True)
     results = run_demo(settings, configs, out, corpus, workers=args.workers)
     print()
     print(format_table(results))
-    print(f"corpus: {corpus.identity}")
+    print(f"corpus: {corpus.identity}; CPU kernels: {cpu_kernels()}")
     print()
     print(f"table:   {out / 'results.txt'} (and results.json)")
     print(f"figure:  {out / 'demo.png'}")

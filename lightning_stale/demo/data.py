@@ -47,6 +47,12 @@ def _text_files(folder: Path) -> list[Path]:
     return files
 
 
+def cpu_kernels() -> str:
+    """torch's CPU kernel set in use (``AVX512``, ``AVX2``, ``DEFAULT``...): the same corpus and seed give other
+    losses under another set (their reductions round differently), so reports name it beside the corpus."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def corpus_source(path: str | Path | None) -> str:
     """The name a corpus is reported under: the shipped default's file name, else the user's path."""
     return DEFAULT_CORPUS.name if path is None else str(Path(path).expanduser())

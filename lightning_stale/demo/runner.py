@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from lightning_stale.demo.configs import DemoSettings, RunConfig
-from lightning_stale.demo.data import ByteCorpus
+from lightning_stale.demo.data import ByteCorpus, cpu_kernels
 from lightning_stale.demo.report import format_table, plot_results
 from lightning_stale.demo.training import RunResult, prepare_corpus, train_config
 from lightning_stale.vocab import check_int
@@ -68,7 +68,8 @@ def run_demo(
             torch.set_num_threads(threads)
     table = format_table(results)
     (out / "results.txt").write_text(table + "\n")
-    summary = {"settings": asdict(settings), "corpus": asdict(corpus.identity), "results": [asdict(r) for r in results]}
+    summary = {"settings": asdict(settings), "corpus": asdict(corpus.identity),
+               "cpu_kernels": cpu_kernels(), "results": [asdict(r) for r in results]}
     (out / "results.json").write_text(json.dumps(summary, indent=1, default=str))
     title = f"{settings.steps} steps, lr {settings.lr:g}, beta2 {settings.beta2}, seed {settings.seed}"
     plot_results(results, out / "demo.png", title=title)
