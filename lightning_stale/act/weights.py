@@ -301,7 +301,7 @@ class WeightWriteBack:
     def _check_bnb_overrides(self) -> None:
         """bitsandbytes' per-parameter ``lr`` overrides would escape the zeroed group lr: refuse them."""
         manager = getattr(self.optimizer, "mng", None)
-        configs = list(getattr(manager, "pid2config", {}).values()) + list(getattr(manager, "index2config", {}).values())
+        configs = (*getattr(manager, "pid2config", {}).values(), *getattr(manager, "index2config", {}).values())
         if any("lr" in config for config in configs):
             self._restore_lr()
             raise _refuse(self.optimizer, "a GlobalOptimManager per-parameter 'lr' override is not supported")
