@@ -1,0 +1,416 @@
+"""Weight write-back: take over the bf16/fp16 weight write of an Adam-family optimizer the user already has.
+
+A step's update ``lr * m_hat / (sqrt(v_hat) + eps)`` smaller than half a bf16 weight's grid gap (about |w| / 256)
+rounds away. :class:`WeightWriteBack` suppresses the optimizer's own parameter write (its group lr is 0 for the step,
+so it still updates its moments and step counter), then recomputes the update in fp32 from the optimizer's own
+updated state (dequantized where 8-bit), exactly as that optimizer computes it, and writes the weight with nearest,
+stochastic or compensated (Kahan) rounding. fp32 parameters are left to the optimizer untouched.
+
+Supported: ``torch.optim.Adam``/``AdamW`` (for-loop, foreach, fused), bitsandbytes Adam/AdamW 32-bit, 8-bit
+block-wise and paged, and :class:`lightning_stale.optim.QuantizedAdamW`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_stale.formats.base import NOISE_BITS
+from lightning_stale.formats.floats import stochastic_round_float
+
+Rounding = Literal["stochastic", "compensated", "nearest"]
+ROUNDINGS: tuple[str, ...] = ("stochastic", "compensated", "nearest")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+SUPPORTED = (
+    "torch.optim.Adam/AdamW (for-loop, foreach, fused; no amsgrad, capturable or differentiable), "
+    "bitsandbytes Adam/AdamW 32-bit, 8-bit block-wise and paged, lightning_stale.optim.QuantizedAdamW"
+)
+_MASK32 = (1 << 32) - 1
+_BNB_BLOCK = 256  # bitsandbytes 8-bit optimizer states are quantized in blocks of 256 elements
+
+# How the fp32 weight is computed from (w, m, v) and the per-parameter scalars, one per optimizer implementation:
+#   "addcdiv":   w * decay, then w + (-step_size) * m / (sqrt(v) / bc2_sqrt + eps)      torch.optim, bnb 8-bit CPU
+#   "bnb32":     w * decay, then w + step_size * (m / (sqrt(v) + eps * c2))             bnb 32-bit CPU
+#   "bnb_cuda":  w + step_size * (m / (sqrt(v) + eps * c2)), then * decay              bnb CUDA kernels (decay after)
+#   "quantized": w * decay, then w + (m * step_size) / (sqrt(v) / bc2_sqrt + eps)       QuantizedAdamW
+Formula = Literal["addcdiv", "bnb32", "bnb_cuda", "quantized"]
+
+
+def _mix32(x: int) -> int:
+    """A 32-bit integer hash (murmur3 finalizer) in Python ints: per-parameter keys without device traffic."""
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _MASK32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def noise_bits(numel: int, seed: int, step: int, index: int, device: torch.device) -> Tensor:
+    """Uniform int32 noise in [0, 2^NOISE_BITS) for ``numel`` elements, a counter-based hash of each element's index
+    keyed by (seed, optimizer step, parameter index): no RNG state, no rank, so replicated ranks draw the same."""
+    key = _mix32(_mix32(_mix32(seed) ^ step) ^ index)
+    x = torch.arange(numel, dtype=torch.int64, device=device).add_(key).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 16).mul_(0x7FEB352D).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15).mul_(0x2C1B3C6D).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 16)
+    return x.bitwise_and_((1 << NOISE_BITS) - 1).to(torch.int32)
+
+
+def stochastic_round(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
+    """fp32 ``x`` rounded to ``dtype`` (bf16 or fp16) stochastically: up with probability (x - lower) / ulp, driven by
+    ``noise`` (int32 in [0, 2^NOISE_BITS), shaped like ``x``); saturates at the format's largest finite value."""
+    if dtype == torch.bfloat16:  # add 16 random bits below bf16's mantissa and truncate them
+        limit = torch.finfo(torch.bfloat16).max
+        bits = x.clamp(-limit, limit).view(torch.int32).add_(noise << (16 - NOISE_BITS))
+        return bits.bitwise_and_(-65536).view(torch.float32).to(dtype)
+    return stochastic_round_float(x, 10, -14, float(torch.finfo(torch.float16).max), noise).to(dtype)
+
+
+class _Entry:
+    """One parameter the write-back handles at this step: its tensors and the scalars of its update."""
+
+    __slots__ = ("index", "param", "m", "v", "formula", "decay", "step_size", "bc2_sqrt", "eps", "step", "bound")
+
+    def __init__(self, index: int, param: Tensor, m: Tensor, v: Tensor, formula: Formula, decay: float,
+                 step_size: float, bc2_sqrt: float, eps: float, step: int, bound: float | None = None) -> None:
+        self.index, self.param, self.m, self.v, self.formula = index, param, m, v, formula
+        self.decay, self.step_size, self.bc2_sqrt, self.eps, self.step = decay, step_size, bc2_sqrt, eps, step
+        self.bound = bound  # |m / denom| limit for moments stored as codes (see _fp32_update), else None
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` (or the optimizer itself)."""
+    inner = getattr(optimizer, "_optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _refuse(optimizer: torch.optim.Optimizer, why: str) -> ValueError:
+    return ValueError(f"WeightWriteBack cannot take over {type(optimizer).__name__}: {why}. Supported: {SUPPORTED}.")
+
+
+def _family(optimizer: torch.optim.Optimizer) -> str:
+    """``"torch"``, ``"bnb"`` or ``"quantized"``; ValueError naming the class and what is supported otherwise."""
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        for group in optimizer.param_groups:
+            for flag in ("amsgrad", "capturable", "differentiable"):
+                if group.get(flag):
+                    raise _refuse(optimizer, f"{flag}=True is not supported")
+            if any(isinstance(beta, Tensor) for beta in group["betas"]):
+                raise _refuse(optimizer, "tensor betas are not supported")
+        return "torch"
+    try:
+        from lightning_stale.optim import QuantizedAdamW
+    except ImportError:  # the package's optimizer moved or is unavailable: only the other families apply
+        QuantizedAdamW = None  # noqa: N806
+    if QuantizedAdamW is not None and type(optimizer) is QuantizedAdamW:
+        return "quantized"
+    module = type(optimizer).__module__
+    if module.startswith("bitsandbytes."):
+        from bitsandbytes.optim.optimizer import Optimizer2State
+
+        if not isinstance(optimizer, Optimizer2State) or getattr(optimizer, "optimizer_name", None) != "adam":
+            raise _refuse(optimizer, "only bitsandbytes' Adam/AdamW family (kernel 'adam') is supported")
+        if optimizer.args.max_unorm > 0:
+            raise _refuse(optimizer, "max_unorm > 0 (update-norm clipping) is not supported")
+        return "bnb"
+    raise _refuse(optimizer, "not a supported optimizer family")
+
+
+class WeightWriteBack:
+    """Owns the weight write of ``optimizer``'s bf16/fp16 parameters through torch's step pre/post hooks.
+
+    Args:
+        optimizer: a supported Adam-family optimizer (or a ``LightningOptimizer`` around one).
+        rounding: ``"stochastic"`` (no memory), ``"compensated"`` (a Kahan buffer in the parameter's dtype) or
+            ``"nearest"`` (reproduces the optimizer's own write; the conformance mode).
+        params: the parameters to take over (default: every bf16/fp16 parameter of the optimizer, at each step).
+        seed: the stochastic-rounding key; noise depends on (seed, the optimizer's step, the parameter's index).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        rounding: Rounding = "stochastic",
+        params: Iterable[Tensor] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        self.optimizer = _unwrap(optimizer)
+        self.family = _family(self.optimizer)
+        self.rounding: str = rounding
+        self.seed = int(seed)
+        self._chosen = None if params is None else {id(p) for p in params}
+        if self._chosen is not None:
+            known = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+            if not self._chosen <= known:
+                raise ValueError("params must be parameters of the optimizer")
+        if self.family == "bnb":
+            self._check_bnb_overrides()
+        self.compensation: dict[int, Tensor] = {}  # parameter index -> Kahan buffer (parameter dtype)
+        self._saved_lrs: list[Any] | None = None
+        self._steps_before: dict[int, int] = {}
+        self._handles = [
+            self.optimizer.register_step_pre_hook(self._pre_hook),
+            self.optimizer.register_step_post_hook(self._post_hook),
+        ]
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Hooks
+
+    def close(self) -> None:
+        """Remove the hooks (and restore the lr, should a failed step have left it at 0)."""
+        self._restore_lr()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _handled(self) -> list[tuple[int, tuple[int, int], dict[str, Any], Tensor]]:
+        """(index, (group index, index in group), group, param) of the parameters taken over now: chosen, stored
+        below fp32. ``index`` counts every parameter of the optimizer in order: the same on every rank."""
+        out = []
+        index = 0
+        for gindex, group in enumerate(self.optimizer.param_groups):
+            for pindex, param in enumerate(group["params"]):
+                if param.dtype in LOW_PRECISION and (self._chosen is None or id(param) in self._chosen):
+                    out.append((index, (gindex, pindex), group, param))
+                index += 1
+        return out
+
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Zero the lr of the groups holding taken-over parameters and remember each one's step counter. Gradients may
+        not exist yet (the closure runs inside the step), so nothing else happens here."""
+        self._restore_lr()
+        handled = self._handled()
+        if not handled:
+            return None
+        self._steps_before = {index: self._step_count(param) for index, _, _, param in handled}
+        groups = {id(group): group for _, _, group, _ in handled}
+        self._saved_lrs = [(group, group["lr"]) for group in groups.values()]
+        for group in groups.values():
+            lr = group["lr"]
+            group["lr"] = torch.zeros_like(lr) if isinstance(lr, Tensor) else 0.0
+        if self.family == "bnb":
+            self._check_bnb_overrides()
+        # A closure that raises must not leave the lr at 0: wrap it so the lr is restored before the error propagates.
+        # torch passes the step's own args, the optimizer first: the closure is args[1] or kwargs["closure"].
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            return None
+
+        def guarded() -> Any:
+            try:
+                return closure()
+            except BaseException:
+                self._restore_lr()
+                raise
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": guarded}
+        return (args[0], guarded, *args[2:]), kwargs
+
+    def _restore_lr(self) -> None:
+        if self._saved_lrs is not None:
+            for group, lr in self._saved_lrs:
+                group["lr"] = lr
+            self._saved_lrs = None
+
+    @torch.no_grad()
+    def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """Restore the real lr, then write every parameter whose step counter advanced by one."""
+        if self._saved_lrs is None:
+            return
+        lrs = {id(group): lr for group, lr in self._saved_lrs}
+        self._restore_lr()
+        by_key: dict[tuple[torch.device, torch.dtype, str, bool], list[_Entry]] = defaultdict(list)
+        for index, position, group, param in self._handled():
+            before = self._steps_before.get(index)
+            if before is None or id(group) not in lrs:
+                continue
+            step = self._step_count(param)
+            if step != before + 1:  # skipped (no grad, GradScaler inf/nan): the weight stays as it is
+                continue
+            entry = self._entry(index, position, group, param, lrs[id(group)], step)
+            by_key[(param.device, param.dtype, entry.formula, entry.bound is not None)].append(entry)
+        for (_, _, formula, bounded), entries in by_key.items():
+            self._write(entries, formula, bounded)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Reading the optimizer's state
+
+    def _step_count(self, param: Tensor) -> int:
+        """The optimizer's step counter of ``param`` (0 before its first step). Host-side for all supported
+        non-fused optimizers; torch's fused form keeps it on the parameter's device (one read per parameter)."""
+        state = self.optimizer.state.get(param)
+        if not state:
+            return 0
+        step = state["step_m"] if self.family == "quantized" else state["step"]
+        return int(step) if isinstance(step, int) else int(step.item())
+
+    def _entry(self, index: int, position: tuple[int, int], group: dict[str, Any], param: Tensor, lr: Any,
+               step: int) -> _Entry:
+        """The fp32 moments and the update scalars of ``param``, computed as its optimizer computes them."""
+        lr = float(lr)
+        state = self.optimizer.state[param]
+        if self.family == "torch":
+            beta1, beta2 = group["betas"]
+            wd = group["weight_decay"]
+            decay = 1 - lr * wd if group.get("decoupled_weight_decay", False) and wd != 0 else 1.0
+            return _Entry(index, param, state["exp_avg"].float(), state["exp_avg_sq"].float(), "addcdiv", decay,
+                          -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, group["eps"], step)
+        if self.family == "bnb":
+            config = self.optimizer.get_config(*position, group)
+            beta1, beta2 = config["betas"][0], config["betas"][1]
+            wd, eps = config["weight_decay"], config["eps"]
+            c1, c2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+            coded = state["state1"].dtype != torch.float32
+            formula: Formula = "bnb_cuda" if param.device.type != "cpu" else "addcdiv" if coded else "bnb32"
+            step_size = -lr / c1 if formula == "addcdiv" else -lr * c2 / c1
+            bound = None
+            if coded:  # the denominator of "addcdiv" is sqrt(v) / c2 + eps, of the others sqrt(v) + eps * c2
+                bound = adam_ratio_bound(beta1, beta2, step) * (c2 if formula == "addcdiv" else 1.0)
+            return _Entry(index, param, self._bnb_moment(state, 1), self._bnb_moment(state, 2), formula,
+                          1.0 - lr * wd if wd > 0.0 else 1.0, step_size, c2, eps, step, bound)
+        formats = [self.optimizer.moment_format(param, name) for name in ("m", "v")]
+        m, v = (fmt.dequantize(self.optimizer.moment_state(param, name)) for fmt, name in zip(formats, "mv"))
+        beta1, beta2 = group["betas"]
+        step_v = int(state["step_v"])
+        bc2_sqrt = math.sqrt(1 - beta2**step_v)
+        bound = None
+        if step_v == step and not all(fmt.name in ("fp32", "bf16", "fp16") for fmt in formats):
+            bound = adam_ratio_bound(beta1, beta2, step) * bc2_sqrt
+        return _Entry(index, param, m, v, "quantized", 1 - lr * group["weight_decay"], -lr / (1 - beta1**step),
+                      bc2_sqrt, group["eps"], step, bound)
+
+    @staticmethod
+    def _bnb_moment(state: dict[str, Any], i: int) -> Tensor:
+        """bitsandbytes' moment ``i`` (1: m, 2: v) in fp32: the fp32 state itself (read-only) or the 8-bit codes
+        dequantized with bitsandbytes' own op (what its next step reads)."""
+        codes = state[f"state{i}"]
+        if codes.dtype == torch.float32:
+            return codes
+        return torch.ops.bitsandbytes.dequantize_blockwise(
+            codes, state[f"absmax{i}"], state[f"qmap{i}"], _BNB_BLOCK, torch.float32)
+
+    def _check_bnb_overrides(self) -> None:
+        """bitsandbytes' per-parameter ``lr`` overrides would escape the zeroed group lr: refuse them."""
+        manager = getattr(self.optimizer, "mng", None)
+        configs = (*getattr(manager, "pid2config", {}).values(), *getattr(manager, "index2config", {}).values())
+        if any("lr" in config for config in configs):
+            self._restore_lr()
+            raise _refuse(self.optimizer, "a GlobalOptimManager per-parameter 'lr' override is not supported")
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # The write
+
+    def _write(self, entries: list[_Entry], formula: Formula, bounded: bool) -> None:
+        """One batched pass over parameters sharing a device, dtype and formula: the fp32 target weight, then its
+        rounding."""
+        params = [e.param for e in entries]
+        weights = [p.float() for p in params]
+        if self.rounding == "compensated":  # the stored weight plus its residual is the weight being optimized
+            buffers = [self._buffer(e) for e in entries]
+            torch._foreach_add_(weights, [b.float() for b in buffers])
+        _fp32_update(weights, [e.m for e in entries], [e.v for e in entries], entries, formula, bounded)
+        if self.rounding == "nearest":
+            torch._foreach_copy_(params, weights)
+        elif self.rounding == "stochastic":
+            rounded = [stochastic_round(w, p.dtype, noise_bits(w.numel(), self.seed, e.step, e.index, w.device)
+                                        .view(w.shape)) for w, p, e in zip(weights, params, entries)]
+            torch._foreach_copy_(params, rounded)
+        else:
+            torch._foreach_copy_(params, weights)
+            torch._foreach_sub_(weights, [p.float() for p in params])  # exact: |target - nearest| <= ulp / 2
+            torch._foreach_copy_(buffers, weights)
+
+    def _buffer(self, entry: _Entry) -> Tensor:
+        buffer = self.compensation.get(entry.index)
+        if buffer is None:
+            buffer = self.compensation[entry.index] = torch.zeros_like(entry.param)
+        return buffer
+
+    # ----------------------------------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs: the rounding, the seed and the compensation buffers by parameter index."""
+        return {"rounding": self.rounding, "seed": self.seed,
+                "compensation": {i: b.clone() for i, b in self.compensation.items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: buffers are copied into existing ones in place (or created on the parameter's
+        device), so the continuation is bit-identical."""
+        if state_dict["rounding"] != self.rounding:
+            raise ValueError(f"state_dict is for rounding {state_dict['rounding']!r}, this is {self.rounding!r}")
+        self.seed = int(state_dict["seed"])
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for index, saved in state_dict["compensation"].items():
+            index = int(index)
+            buffer = self.compensation.get(index)
+            if buffer is None:
+                buffer = self.compensation[index] = torch.zeros_like(params[index])
+            buffer.copy_(saved)
+
+    def resident_bytes(self) -> int:
+        """Bytes the write-back keeps between steps (the compensation buffers)."""
+        return sum(b.numel() * b.element_size() for b in self.compensation.values())
+
+
+def _fp32_update(weights: list[Tensor], ms: list[Tensor], vs: list[Tensor], entries: list[_Entry],
+                 formula: Formula, bounded: bool) -> None:
+    """``weights`` (fp32, in place) updated as the optimizer's ``formula`` does, from fp32 ``ms`` and ``vs`` (read
+    only). Per-parameter scalars go in as scalar lists. Unbounded, the ops match the optimizer's op for op, so the
+    fp32 result is the optimizer's own where it computes in fp32 from the same state. ``bounded`` (moments stored as
+    codes) clamps ``m / denom`` to each entry's ``bound``, which fp32 moments never exceed: a v rounded to the zero
+    code beside a non-zero m would otherwise give an ``m / eps`` step."""
+    decays = [e.decay for e in entries]
+    step_sizes = [e.step_size for e in entries]
+    decay_after = formula == "bnb_cuda"
+    if not decay_after and any(d != 1.0 for d in decays):
+        torch._foreach_mul_(weights, decays)
+    denom = torch._foreach_sqrt(vs)
+    if formula in ("addcdiv", "quantized"):
+        torch._foreach_div_(denom, [e.bc2_sqrt for e in entries])
+        torch._foreach_add_(denom, [e.eps for e in entries])
+    else:
+        torch._foreach_add_(denom, [e.eps * e.bc2_sqrt for e in entries])
+    if bounded:
+        update = torch._foreach_div(ms, denom)
+        torch._foreach_clamp_min_(update, [-e.bound for e in entries])
+        torch._foreach_clamp_max_(update, [e.bound for e in entries])
+        torch._foreach_mul_(update, step_sizes)
+        torch._foreach_add_(weights, update)
+    elif formula == "addcdiv":
+        torch._foreach_addcdiv_(weights, ms, denom, step_sizes)
+    elif formula == "quantized":
+        update = torch._foreach_mul(ms, step_sizes)
+        torch._foreach_div_(update, denom)
+        torch._foreach_add_(weights, update)
+    else:
+        _add_scaled(weights, torch._foreach_div(ms, denom), step_sizes)
+    if decay_after and any(d != 1.0 for d in decays):
+        torch._foreach_mul_(weights, decays)
+
+
+def adam_ratio_bound(beta1: float, beta2: float, step: int) -> float:
+    """The largest ``|m| / sqrt(v)`` fp32 Adam moments reach after ``step`` steps from zero (Cauchy-Schwarz):
+    ``(1 - b1) / sqrt(1 - b2) * sqrt(sum_{k<step} (b1^2 / b2)^k)``, whatever the gradients."""
+    q = beta1 * beta1 / beta2
+    total = step if q == 1.0 else (1.0 - q**step) / (1.0 - q)
+    return (1.0 - beta1) / math.sqrt(1.0 - beta2) * math.sqrt(total)
+
+
+def _add_scaled(weights: list[Tensor], updates: list[Tensor], alphas: list[float]) -> None:
+    """``w.add_(u, alpha=a)`` per parameter, batched per distinct alpha (usually one per group)."""
+    by_alpha: dict[float, list[int]] = defaultdict(list)
+    for i, alpha in enumerate(alphas):
+        by_alpha[alpha].append(i)
+    for alpha, idx in by_alpha.items():
+        torch._foreach_add_([weights[i] for i in idx], [updates[i] for i in idx], alpha=alpha)
+
