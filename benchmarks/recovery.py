@@ -2,11 +2,14 @@
 
 The paper's Table 5 protocol (fp32 compute, only the optimizer states stored in low precision) on the demo's model
 and loop (:mod:`lightning_stale.demo`), over learning rates and seeds. Columns are state storages: fp32 (torch
-AdamW, the reference), bf16 / fp8 / fp4 / int8 (``QuantizedAdamW``), bnb8bit (bitsandbytes AdamW8bit) and torchbf16
-(torch AdamW on bf16 parameters: bf16 states). Rows are remedies, each a ``StaleStateCallback`` setting: nearest
-(none), stochastic (rounding, ``QuantizedAdamW`` only), guard (``underflow_guard=True``), theory / vonly (theory
-periods, both moments / v only) / adaptive / periodic / drift (``reset=...``; fp32's periodic cell is the control,
-every 300 steps) and auto (``remedy="auto"``).
+AdamW, the reference), bf16 / fp8 / fp4 / int8 (``QuantizedAdamW``), bnb8bit (bitsandbytes AdamW8bit), torchbf16
+(torch AdamW on bf16 parameters: bf16 weights and states), bnb8bitbf16 (bitsandbytes AdamW8bit on bf16 parameters:
+8-bit states, bf16 weights) and torchmixed (torch AdamW under bf16-mixed: bf16 compute, fp32 weights and states).
+Rows are remedies, each a ``StaleStateCallback`` setting: nearest (none), stochastic (rounding, ``QuantizedAdamW``
+only), guard (``underflow_guard=True``), theory / vonly (theory periods, both moments / v only) / adaptive /
+periodic / drift (``reset=...``; fp32's periodic cell is the control, every 300 steps), wsr / wkahan (the weight
+write-back with stochastic rounding / compensated summation, ``weights=...``; bf16 weights only) and auto
+(``remedy="auto"``).
 
 For every learning rate it prints the grid (mean ± std over seeds), then per column the gap of nearest rounding to
 fp32 paired by seed (runs with one seed share initialization and data order) with its 95% interval (Student's t,
@@ -43,11 +46,12 @@ from lightning_stale.demo.model import DecoderConfig
 from lightning_stale.demo.stats import PairedDifference
 from lightning_stale.demo.training import prepare_corpus, train_config
 
-COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16")
-ROWS = ("nearest", "stochastic", "guard", "theory", "vonly", "adaptive", "periodic", "drift", "auto")
+COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed")
+ROWS = ("nearest", "stochastic", "guard", "theory", "vonly", "adaptive", "periodic", "drift", "wsr", "wkahan", "auto")
 SUFFIX = {"nearest": "", "guard": "+guard", "theory": "+reset", "vonly": "+vreset", "adaptive": "+adaptive",
-          "periodic": "+periodic", "drift": "+drift", "auto": "+auto"}
-NO_STOCHASTIC = ("bnb8bit", "torchbf16")  # optimizers without stochastic rounding
+          "periodic": "+periodic", "drift": "+drift", "wsr": "+wsr", "wkahan": "+wkahan", "auto": "+auto"}
+NO_STOCHASTIC = ("bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed")  # optimizers without stochastic rounding
+BF16_WEIGHTS = ("torchbf16", "bnb8bitbf16")  # the columns whose weights the write-back rows take over
 
 
 def cell_config(row: str, column: str) -> str | None:
@@ -56,6 +60,8 @@ def cell_config(row: str, column: str) -> str | None:
         return {"nearest": "fp32", "periodic": "fp32+reset"}.get(row)
     if row == "stochastic":
         return None if column in NO_STOCHASTIC else f"{column}-sr"
+    if row in ("wsr", "wkahan") and column not in BF16_WEIGHTS:
+        return None
     return column + SUFFIX[row]
 TARGET_SHARE = 0.8
 # The default plan, 84 runs of 600 steps (about an hour on 2 cores): at lr 4e-3 (2x fp32's best, where
@@ -75,6 +81,8 @@ PLAN: dict[float, dict[str, tuple[str, ...]]] = {
 LONG = {"steps": 5000, "dim": 64, "hidden": 176, "lrs": [2e-3], "out": "out/recovery-long"}
 LONG_PLAN = {c: tuple(r for r in ROWS if r != "periodic" and cell_config(r, c)) for c in COLUMNS if c != "fp32"}
 LONG_PLAN["fp32"] = ("nearest",)
+# bf16 weights (issue 27): the write-back's rows and auto against nearest; bf16-mixed is what bf16 compute alone costs
+LONG_PLAN.update({c: ("nearest", "wsr", "wkahan", "auto") for c in ("bnb8bitbf16",)}, torchmixed=("nearest",))
 
 
 

@@ -10,8 +10,10 @@ HELP = ("Train a small LM with fp32 and low-precision optimizer states, with and
 # Kept in sync with lightning_stale.demo.configs (checked by the tests) so that --help needs no torch import.
 DEFAULT_CONFIGS = "fp32,fp8,fp8+reset,fp8+auto"
 _REMEDY_SUFFIXES = ("", "+reset", "+vreset", "+adaptive", "+periodic", "+drift", "+guard", "+auto")
+_WEIGHT_SUFFIXES = ("+wsr", "+wkahan")
 AVAILABLE_CONFIGS = ", ".join(
-    ["fp32", "fp32+reset", *(f"{s}{x}" for s in ("bnb8bit", "torchbf16") for x in _REMEDY_SUFFIXES)]
+    ["fp32", "fp32+reset", *(f"{s}{x}" for s in ("bnb8bit", "torchmixed") for x in _REMEDY_SUFFIXES),
+     *(f"{s}{x}" for s in ("torchbf16", "bnb8bitbf16") for x in _REMEDY_SUFFIXES + _WEIGHT_SUFFIXES)]
     + [f"{s}{r}{x}" for s in ("bf16", "fp8", "fp4", "int8") for r in ("", "-sr") for x in _REMEDY_SUFFIXES]
 )
 
@@ -23,10 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_CONFIGS,
         help=f"comma-separated configurations (default: {DEFAULT_CONFIGS}). Available: {AVAILABLE_CONFIGS}. "
         "fp32 is torch AdamW, bnb8bit bitsandbytes AdamW8bit, torchbf16 torch AdamW on bf16 parameters (bf16-true), "
+        "bnb8bitbf16 bitsandbytes AdamW8bit on bf16 parameters, torchmixed torch AdamW under bf16-mixed, "
         "the others QuantizedAdamW with that state format; -sr: stochastic rounding; +reset: "
         "StaleStateCallback(reset='theory') (fp32+reset: periodic, every 300); +vreset: theory resets of v only; "
         "+adaptive/+drift: reset='adaptive'/'drift'; +periodic: every 300; +guard: underflow_guard=True; "
-        "+auto: remedy='auto'",
+        "+auto: remedy='auto'; +wsr/+wkahan: weights='stochastic'/'compensated' (bf16 parameters only)",
     )
     parser.add_argument("--out", default="stale-demo",
                         help="output folder for logs, table and figure (default: ./stale-demo)")

@@ -19,10 +19,10 @@ FP32_CONTROL_PERIOD = 300  # the paper's fp8 reset period
 class RunConfig:
     """One demo configuration: how the optimizer stores its states and what remedy the callback applies.
 
-    ``reset``, ``every``, ``moments``, ``underflow_guard`` and ``remedy`` are passed to
+    ``reset``, ``every``, ``moments``, ``underflow_guard``, ``remedy`` and ``weights`` are passed to
     :class:`~lightning_stale.StaleStateCallback`; ``baseline`` names the configuration without a remedy (nearest
     rounding) that a variant is compared with; ``precision`` is the Trainer's (``"bf16-true"``: bf16 parameters, so
-    torch AdamW keeps bf16 states).
+    torch AdamW keeps bf16 states; ``"bf16-mixed"``: bf16 compute over fp32 parameters and states).
     """
 
     name: str
@@ -37,6 +37,7 @@ class RunConfig:
     remedy: str | None = None
     moments: tuple[str, ...] | None = None
     precision: str = "32-true"
+    weights: str | None = None
 
     def optimizer_spec(self, settings: DemoSettings) -> OptimizerSpec:
         """The optimizer this configuration trains with, at the settings' hyper-parameters."""
@@ -60,7 +61,11 @@ STORAGES = {  # name: (optimizer kind, state format, Trainer precision, words)
     "fp4": ("quantized", "fp4", "32-true", "QuantizedAdamW, fp4 states (block 128)"),
     "int8": ("quantized", "int8_dynamic", "32-true", "QuantizedAdamW, int8 dynamic-map states"),
     "torchbf16": ("adamw", "fp32", "bf16-true", "torch AdamW on bf16 parameters (bf16 states, bf16-true)"),
+    "bnb8bitbf16": ("bnb_adamw8bit", "fp32", "bf16-true",
+                    "bitsandbytes AdamW8bit on bf16 parameters (8-bit states, bf16 weights, bf16-true)"),
+    "torchmixed": ("adamw", "fp32", "bf16-mixed", "torch AdamW under bf16-mixed (bf16 compute; fp32 weights, states)"),
 }
+LOW_PRECISION_WEIGHTS = ("bf16-true",)  # the Trainer precisions whose weights a weight write-back can take over
 REMEDY_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words)
     "": ({}, ""),
     "+reset": ({"reset": "theory"}, ", theory-period resets"),
@@ -70,6 +75,10 @@ REMEDY_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words)
     "+drift": ({"reset": "drift"}, ", drift-band resets"),
     "+guard": ({"underflow_guard": True}, ", underflow guard"),
     "+auto": ({"remedy": "auto"}, ", automatic remedy"),
+}
+WEIGHT_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words), for storages with bf16 weights only
+    "+wsr": ({"weights": "stochastic"}, ", weight write-back with stochastic rounding"),
+    "+wkahan": ({"weights": "compensated"}, ", weight write-back with compensated summation"),
 }
 
 
@@ -81,8 +90,9 @@ def _build_configs() -> dict[str, RunConfig]:
             configs[storage] = RunConfig(storage, kind, description=words)
             continue
         roundings = ["nearest"] if kind != "quantized" else ["nearest", "stochastic"]
+        suffixes = {**REMEDY_SUFFIXES, **(WEIGHT_SUFFIXES if precision in LOW_PRECISION_WEIGHTS else {})}
         for rounding in roundings:
-            for suffix, (arguments, remedy_words) in REMEDY_SUFFIXES.items():
+            for suffix, (arguments, remedy_words) in suffixes.items():
                 name = storage + ("-sr" if rounding == "stochastic" else "") + suffix
                 text = words + (", stochastic rounding" if rounding == "stochastic" else "") + remedy_words
                 baseline = None if name == storage else storage
@@ -147,6 +157,7 @@ __all__ = [
     "FP32_CONTROL_PERIOD",
     "REMEDY_SUFFIXES",
     "STORAGES",
+    "WEIGHT_SUFFIXES",
     "DemoSettings",
     "RunConfig",
     "resolve_configs",
