@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -32,6 +32,9 @@ SUPPORTED = (
 )
 _MASK32 = (1 << 32) - 1
 _BNB_BLOCK = 256  # bitsandbytes 8-bit optimizer states are quantized in blocks of 256 elements
+# Elements written per batched pass: the fp32 copies and the noise of one pass are its only transient memory, so the
+# peak stays bounded (about 20 bytes per element of a chunk) whatever the size of the model or of its largest tensor.
+CHUNK_ELEMENTS = 1 << 22
 
 # How the fp32 weight is computed from (w, m, v) and the per-parameter scalars, one per optimizer implementation:
 #   "addcdiv":   w * decay, then w + (-step_size) * m / (sqrt(v) / bc2_sqrt + eps)      torch.optim, bnb 8-bit CPU
@@ -51,11 +54,12 @@ def _mix32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def noise_bits(numel: int, seed: int, step: int, index: int, device: torch.device) -> Tensor:
-    """Uniform int32 noise in [0, 2^NOISE_BITS) for ``numel`` elements, a counter-based hash of each element's index
-    keyed by (seed, optimizer step, parameter index): no RNG state, no rank, so replicated ranks draw the same."""
+def noise_bits(numel: int, seed: int, step: int, index: int, device: torch.device, start: int = 0) -> Tensor:
+    """Uniform int32 noise in [0, 2^NOISE_BITS) for the ``numel`` elements from flat position ``start`` on, a
+    counter-based hash of each element's index keyed by (seed, optimizer step, parameter index): no RNG state, no
+    rank, so replicated ranks draw the same, and a parameter written in chunks draws what it would draw whole."""
     key = _mix32(_mix32(_mix32(seed) ^ step) ^ index)
-    x = torch.arange(numel, dtype=torch.int64, device=device).add_(key).bitwise_and_(_MASK32)
+    x = torch.arange(start, start + numel, dtype=torch.int64, device=device).add_(key).bitwise_and_(_MASK32)
     x.bitwise_xor_(x >> 16).mul_(0x7FEB352D).bitwise_and_(_MASK32)
     x.bitwise_xor_(x >> 15).mul_(0x2C1B3C6D).bitwise_and_(_MASK32)
     x.bitwise_xor_(x >> 16)
@@ -72,16 +76,52 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
     return stochastic_round_float(x, 10, -14, float(torch.finfo(torch.float16).max), noise).to(dtype)
 
 
+Moments = Callable[[int, int], tuple[Tensor, Tensor]]  # (start, stop) -> fp32 m and v of those flat elements
+
+
 class _Entry:
-    """One parameter the write-back handles at this step: its tensors and the scalars of its update."""
+    """One parameter the write-back handles at this step: how to read its moments, and the scalars of its update.
 
-    __slots__ = ("index", "param", "m", "v", "formula", "decay", "step_size", "bc2_sqrt", "eps", "step", "bound")
+    ``moments(start, stop)`` reads the fp32 moments of a flat range only when that range is written, so no more than
+    one chunk of them exists at a time; ``split`` says whether the parameter may be written in ranges (its moments
+    can be read by range)."""
 
-    def __init__(self, index: int, param: Tensor, m: Tensor, v: Tensor, formula: Formula, decay: float,
+    __slots__ = ("index", "param", "moments", "split", "formula", "decay", "step_size", "bc2_sqrt", "eps", "step",
+                 "bound")
+
+    def __init__(self, index: int, param: Tensor, moments: Moments, split: bool, formula: Formula, decay: float,
                  step_size: float, bc2_sqrt: float, eps: float, step: int, bound: float | None = None) -> None:
-        self.index, self.param, self.m, self.v, self.formula = index, param, m, v, formula
+        self.index, self.param, self.moments, self.split, self.formula = index, param, moments, split, formula
         self.decay, self.step_size, self.bc2_sqrt, self.eps, self.step = decay, step_size, bc2_sqrt, eps, step
         self.bound = bound  # |m / denom| limit for moments stored as codes (see _fp32_update), else None
+
+
+def _flat_range(tensor: Tensor, start: int, stop: int) -> Tensor:
+    """Flat elements ``[start, stop)`` of ``tensor`` as a view; a non-contiguous tensor is only ever taken whole."""
+    if tensor.is_contiguous():
+        return tensor.view(-1)[start:stop]
+    if (start, stop) != (0, tensor.numel()):
+        raise ValueError("a non-contiguous tensor is written whole")
+    return tensor
+
+
+def _chunks(entries: list[_Entry], limit: int) -> Iterable[list[tuple[_Entry, int, int]]]:
+    """Batches of (entry, start, stop) flat ranges of at most ``limit`` elements in all; a parameter that cannot be
+    split forms a batch of its own whatever its size."""
+    batch: list[tuple[_Entry, int, int]] = []
+    size = 0
+    for entry in entries:
+        numel = entry.param.numel()
+        step = limit if entry.split and entry.param.is_contiguous() else max(numel, 1)
+        for start in range(0, numel, step):
+            stop = min(numel, start + step)
+            if batch and size + stop - start > limit:
+                yield batch
+                batch, size = [], 0
+            batch.append((entry, start, stop))
+            size += stop - start
+    if batch:
+        yield batch
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
@@ -239,7 +279,8 @@ class WeightWriteBack:
             entry = self._entry(index, position, group, param, lrs[id(group)], step)
             by_key[(param.device, param.dtype, entry.formula, entry.bound is not None)].append(entry)
         for (_, _, formula, bounded), entries in by_key.items():
-            self._write(entries, formula, bounded)
+            for batch in _chunks(entries, CHUNK_ELEMENTS):
+                self._write(batch, formula, bounded)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Reading the optimizer's state
@@ -262,8 +303,11 @@ class WeightWriteBack:
             beta1, beta2 = group["betas"]
             wd = group["weight_decay"]
             decay = 1 - lr * wd if group.get("decoupled_weight_decay", False) and wd != 0 else 1.0
-            return _Entry(index, param, state["exp_avg"].float(), state["exp_avg_sq"].float(), "addcdiv", decay,
-                          -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, group["eps"], step)
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            split = m.is_contiguous() and v.is_contiguous()
+            return _Entry(index, param, lambda a, b: (_flat_range(m, a, b).float(), _flat_range(v, a, b).float()),
+                          split, "addcdiv", decay, -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, group["eps"],
+                          step)
         if self.family == "bnb":
             config = self.optimizer.get_config(*position, group)
             beta1, beta2 = config["betas"][0], config["betas"][1]
@@ -275,28 +319,23 @@ class WeightWriteBack:
             bound = None
             if coded:  # the denominator of "addcdiv" is sqrt(v) / c2 + eps, of the others sqrt(v) + eps * c2
                 bound = adam_ratio_bound(beta1, beta2, step) * (c2 if formula == "addcdiv" else 1.0)
-            return _Entry(index, param, self._bnb_moment(state, 1), self._bnb_moment(state, 2), formula,
-                          1.0 - lr * wd if wd > 0.0 else 1.0, step_size, c2, eps, step, bound)
+            return _Entry(index, param, lambda a, b: (_bnb_moment(state, 1, a, b), _bnb_moment(state, 2, a, b)),
+                          True, formula, 1.0 - lr * wd if wd > 0.0 else 1.0, step_size, c2, eps, step, bound)
         formats = [self.optimizer.moment_format(param, name) for name in ("m", "v")]
-        m, v = (fmt.dequantize(self.optimizer.moment_state(param, name)) for fmt, name in zip(formats, "mv"))
+        states = [self.optimizer.moment_state(param, name) for name in ("m", "v")]
+
+        def moments(start: int, stop: int) -> tuple[Tensor, Tensor]:  # a whole parameter: formats dequantize whole
+            m, v = (fmt.dequantize(q).view(-1) for fmt, q in zip(formats, states))
+            return m, v
+
         beta1, beta2 = group["betas"]
         step_v = int(state["step_v"])
         bc2_sqrt = math.sqrt(1 - beta2**step_v)
         bound = None
         if step_v == step and not all(fmt.name in ("fp32", "bf16", "fp16") for fmt in formats):
             bound = adam_ratio_bound(beta1, beta2, step) * bc2_sqrt
-        return _Entry(index, param, m, v, "quantized", 1 - lr * group["weight_decay"], -lr / (1 - beta1**step),
-                      bc2_sqrt, group["eps"], step, bound)
-
-    @staticmethod
-    def _bnb_moment(state: dict[str, Any], i: int) -> Tensor:
-        """bitsandbytes' moment ``i`` (1: m, 2: v) in fp32: the fp32 state itself (read-only) or the 8-bit codes
-        dequantized with bitsandbytes' own op (what its next step reads)."""
-        codes = state[f"state{i}"]
-        if codes.dtype == torch.float32:
-            return codes
-        return torch.ops.bitsandbytes.dequantize_blockwise(
-            codes, state[f"absmax{i}"], state[f"qmap{i}"], _BNB_BLOCK, torch.float32)
+        return _Entry(index, param, moments, False, "quantized", 1 - lr * group["weight_decay"],
+                      -lr / (1 - beta1**step), bc2_sqrt, group["eps"], step, bound)
 
     def _check_bnb_overrides(self) -> None:
         """bitsandbytes' per-parameter ``lr`` overrides would escape the zeroed group lr: refuse them."""
@@ -309,20 +348,23 @@ class WeightWriteBack:
     # ----------------------------------------------------------------------------------------------------------------
     # The write
 
-    def _write(self, entries: list[_Entry], formula: Formula, bounded: bool) -> None:
-        """One batched pass over parameters sharing a device, dtype and formula: the fp32 target weight, then its
-        rounding."""
-        params = [e.param for e in entries]
+    def _write(self, batch: list[tuple[_Entry, int, int]], formula: Formula, bounded: bool) -> None:
+        """One batched pass over flat ranges of parameters sharing a device, dtype and formula: the fp32 target
+        weight, then its rounding."""
+        entries = [e for e, _, _ in batch]
+        params = [_flat_range(e.param, a, b) for e, a, b in batch]
         weights = [p.float() for p in params]
         if self.rounding == "compensated":  # the stored weight plus its residual is the weight being optimized
-            buffers = [self._buffer(e) for e in entries]
+            buffers = [_flat_range(self._buffer(e), a, b) for e, a, b in batch]
             torch._foreach_add_(weights, [b.float() for b in buffers])
-        _fp32_update(weights, [e.m for e in entries], [e.v for e in entries], entries, formula, bounded)
+        moments = [e.moments(a, b) for e, a, b in batch]
+        _fp32_update(weights, [m for m, _ in moments], [v for _, v in moments], entries, formula, bounded)
+        del moments
         if self.rounding == "nearest":
             torch._foreach_copy_(params, weights)
         elif self.rounding == "stochastic":
-            rounded = [stochastic_round(w, p.dtype, noise_bits(w.numel(), self.seed, e.step, e.index, w.device)
-                                        .view(w.shape)) for w, p, e in zip(weights, params, entries)]
+            rounded = [stochastic_round(w, p.dtype, noise_bits(w.numel(), self.seed, e.step, e.index, w.device, a))
+                       for w, p, (e, a, _) in zip(weights, params, batch)]
             torch._foreach_copy_(params, rounded)
         else:
             torch._foreach_copy_(params, weights)
@@ -360,6 +402,21 @@ class WeightWriteBack:
     def resident_bytes(self) -> int:
         """Bytes the write-back keeps between steps (the compensation buffers)."""
         return sum(b.numel() * b.element_size() for b in self.compensation.values())
+
+
+def _bnb_moment(state: dict[str, Any], i: int, start: int, stop: int) -> Tensor:
+    """Flat elements ``[start, stop)`` of bitsandbytes' moment ``i`` (1: m, 2: v) in fp32: the fp32 state itself
+    (read-only) or the 8-bit codes of the blocks covering the range, dequantized with bitsandbytes' own op (what its
+    next step reads)."""
+    codes = state[f"state{i}"].view(-1)
+    if codes.dtype == torch.float32:
+        return codes[start:stop]
+    first = start // _BNB_BLOCK
+    block_start = first * _BNB_BLOCK
+    last = -(-stop // _BNB_BLOCK)
+    values = torch.ops.bitsandbytes.dequantize_blockwise(
+        codes[block_start:stop], state[f"absmax{i}"][first:last], state[f"qmap{i}"], _BNB_BLOCK, torch.float32)
+    return values[start - block_start:]
 
 
 def _fp32_update(weights: list[Tensor], ms: list[Tensor], vs: list[Tensor], entries: list[_Entry],
