@@ -9,11 +9,12 @@ import torch
 from helpers import Regression, fit, logged, make_optimizer
 from torch import nn
 
-from lightning_stale import StaleStateCallback, StaleStateMonitor, metrics
+from lightning_stale import StaleStateCallback, StaleStateMonitor
 from lightning_stale.adapters import adapter_for
+from lightning_stale.decide.ledger import ResetSchedule
+from lightning_stale.monitor import metrics
 from lightning_stale.policies import DriftReset
 from lightning_stale.remedies import GUARD, NONE, REMEDIES, RESET, STOCHASTIC, AutoRemedy
-from lightning_stale.schedule import ResetSchedule
 
 GUARD_KEY = metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[GUARD])
 RESET_KEY = metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[RESET])

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from lightning_stale import MonitorOptions, StaleStateCallback, StaleStateMonitor
+from lightning_stale.monitor.state import STATE_VERSION
 from lightning_stale.policies import PeriodicReset, TheoryReset
 from lightning_stale.remedies import AutoRemedy
-from lightning_stale.state import STATE_VERSION
 
 DATA = Path(__file__).with_name("data")
 

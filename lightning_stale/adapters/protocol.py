@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from lightning_stale.sampling import Sample
+from lightning_stale.measure.sampling import Sample
 from lightning_stale.vocab import MOMENTS, SIGNALS, Moment, Rounding, check_moments
 
 
@@ -48,7 +48,7 @@ class Slot:
     format: str
     key: str
 
-    packed: ClassVar[bool] = False  # two codes per byte: sampled by element pairs (see lightning_stale.sampling)
+    packed: ClassVar[bool] = False  # two codes per byte: sampled by element pairs (measure/sampling.py)
 
     @property
     def signal(self) -> Literal["g", "g2"]:
