@@ -2,7 +2,9 @@
 
 A policy sees one :class:`ResetUnit` per parameter (its slots, the real optimizer steps since its last reset, the
 measured stall fractions of the current cycle) and answers :meth:`ResetPolicy.should_reset`. Override that method
-(as with Lightning's ``WeightAveraging.should_update``) for a custom rule.
+(as with Lightning's ``WeightAveraging.should_update``) for a custom rule, on :class:`ResetPolicy` or on a built-in
+policy: the built-ins answer for every parameter at once with array comparisons (``_due_all``), which a subclass that
+overrides ``should_reset`` replaces by its own rule.
 
 A reset happens after the optimizer step that completes the period: with ``PeriodicReset(5)`` after steps 5, 10, ...
 """
@@ -38,18 +40,18 @@ def check_band(band: float) -> float:
 class ResetPolicy:
     """Base class. ``moments`` names the moments a reset restores; ``needs_sync`` says whether decisions depend on
     per-rank measurements (then the monitor sums them across ranks so every rank resets at the same step);
-    ``needs_measurement`` asks for each measured step's stall fractions (:meth:`observe`), ``needs_drift`` for the
-    drift readings of check steps (``unit.drift``, already agreed across ranks)."""
+    ``needs_measurement`` asks for each measured step's stall fractions (:meth:`observe`). The drift readings of
+    check steps (``unit.drift``, already agreed across ranks) are there for every policy."""
 
     needs_sync: bool = True
     needs_measurement: bool = False
-    needs_drift: bool = False
 
     def __init__(self, moments: Sequence[str] = MOMENTS) -> None:
         self.moments = check_moments(moments)
 
     def configure(self, unit: ResetUnit) -> None:
-        """Called once when a parameter's state first appears (e.g. to choose its period)."""
+        """Called when a parameter's state first appears, and again whenever its rho-hat estimate changes (e.g. to
+        choose its period)."""
 
     def observe(self, unit: ResetUnit, stall_fraction: float) -> None:
         """Called on measured steps with the driver slot's stall fraction of that step."""
@@ -60,8 +62,11 @@ class ResetPolicy:
         raise NotImplementedError
 
     def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
-        """:meth:`should_reset` for every parameter of ``schedule`` as a bool array. Built-in policies override it
-        with array comparisons (no Python loop per parameter per step); a custom policy need not."""
+        """:meth:`should_reset` for every parameter of ``schedule`` as a bool array: the built-ins' ``_due_all`` (array
+        comparisons, no Python loop per parameter per step) unless a subclass overrides ``should_reset`` below it."""
+        fast = getattr(self, "_due_all", None)
+        if fast is not None and _defined_by(type(self), "_due_all") is _defined_by(type(self), "should_reset"):
+            return fast(schedule, step)
         return np.fromiter((self.should_reset(u, step) for u in schedule.units), dtype=bool, count=len(schedule.units))
 
     def __repr__(self) -> str:
@@ -84,7 +89,7 @@ class PeriodicReset(ResetPolicy):
     def should_reset(self, unit: ResetUnit, step: int) -> bool:
         return unit.age >= self.every
 
-    def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
+    def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:
         return schedule.ages >= self.every
 
 
@@ -114,7 +119,7 @@ class TheoryReset(ResetPolicy):
     def should_reset(self, unit: ResetUnit, step: int) -> bool:
         return unit.period is not None and unit.age >= unit.period
 
-    def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
+    def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:
         periods = schedule.arrays["period"]
         return (periods != NO_PERIOD) & (schedule.ages >= periods)
 
@@ -148,7 +153,7 @@ class AdaptiveReset(ResetPolicy):
             return False
         return unit.accumulator / unit.measured >= float(statistical_error(unit.age, driver.beta))
 
-    def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
+    def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:
         ages, measured = schedule.ages, schedule.arrays["measured"]
         ready = (ages >= self.min_interval) & (measured > 0) & ~np.isnan(schedule.betas)
         if not ready.any():
@@ -170,7 +175,6 @@ class DriftReset(ResetPolicy):
     """
 
     needs_sync = False
-    needs_drift = True
 
     def __init__(self, band: float = 1.5, min_interval: int = 50, moments: Sequence[str] = MOMENTS) -> None:
         check_min_interval(min_interval)
@@ -190,9 +194,13 @@ class DriftReset(ResetPolicy):
     def should_reset(self, unit: ResetUnit, step: int) -> bool:
         return bool(self.out_of_band(np.array([unit.drift]), np.array([unit.age]))[0])
 
-    def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
+    def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:
         return self.out_of_band(schedule.arrays["drift"], schedule.ages)
 
+
+def _defined_by(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s MRO that defines ``name``."""
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
 
 
 # reset shortcut -> (policy class, the monitor arguments it takes -> its constructor's names for them)

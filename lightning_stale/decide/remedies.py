@@ -39,7 +39,7 @@ GUARD_CHECKS = 3  # the guard window opened at each check, in check intervals (r
 
 class Remedy:
     """Base class: chooses, on every check step, a remedy per parameter. ``moments`` names the moments its resets
-    restore; ``min_interval`` is the fewest steps between two of its resets of a parameter."""
+    restore; how soon a parameter may be reset again is the subclass's rule (:class:`AutoRemedy`'s ``min_interval``)."""
 
     moments: tuple[str, ...] = MOMENTS
 

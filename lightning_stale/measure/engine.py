@@ -36,7 +36,7 @@ from lightning_stale.measure.drift import DriftPanel
 from lightning_stale.measure.sampling import choose_sample
 from lightning_stale.measure.units import Entry, Unit, driver_group, driver_slot
 
-SIGNALS = 4  # per parameter in a check step's vector: drift * weight, weight, v stored as zero, v counted
+SIGNAL_COLUMNS = 4  # per parameter in a check step's vector: drift * weight, weight, v stored as zero, v counted
 
 
 class StallEngine:
@@ -203,10 +203,10 @@ class StallEngine:
         return self.panel.weight(key)
 
     def signals(self, recent: np.ndarray | None) -> np.ndarray:
-        """A check step's local readings, (units, SIGNALS): per parameter the drift of its driver v slot where the
+        """A check step's local readings, (units, SIGNAL_COLUMNS): per parameter the drift of its driver v slot where the
         panel shadows it (drift * weight, weight) and, from ``recent`` counts, its v stored as zero and v counted.
         Parameters are the same on every rank whatever each shard holds, so these vectors add up across ranks."""
-        local = np.zeros((len(self.units), SIGNALS))
+        local = np.zeros((len(self.units), SIGNAL_COLUMNS))
         for key, value in self.drift().items():
             entry = self.entries[key]
             if entry.moment == "v" and driver_slot(entry.unit.slots) is entry.slot:

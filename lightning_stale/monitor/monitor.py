@@ -86,7 +86,6 @@ class StaleStateMonitor:
         check_int("coverage_steps", coverage_steps)
         check_int("steps_taken", steps_taken, minimum=0)
         self.options, self.policy, self.remedy = options, options.policy, options.remedy_rule
-        self._check_every = coverage_steps
         self._collective = Collective(reduce if reduce is not None else default_reduce())
         self._listeners: list[ResetListener] = []
         self._handles: list[RemovableHandle] = []
