@@ -116,17 +116,6 @@ def test_an_error_inside_a_hook_is_reported_once_and_training_continues():
     monitor.close()
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"params_per_step": 0}, "`params_per_step` must be a positive int"),
-    ({"coverage_steps": 0}, "`coverage_steps` must be a positive int"),
-    ({"track": "most"}, r"`track` must be one of \('sample', 'exact'\)"),
-])
-def test_invalid_options_fail_at_construction(kwargs, match):
-    _, opt = model_and_optimizer()
-    with pytest.raises(ValueError, match=match):
-        StaleStateMonitor(opt, **kwargs)
-
-
 def test_resume_with_another_policy_uses_the_new_one_and_says_so(caplog):
     from lightning_stale import theory
 
