@@ -41,9 +41,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stale import StaleStateCallback
-from lightning_stale.guard import GuardPlan
+from lightning_stale.act.guard import GuardPlan
+from lightning_stale.monitor.pipeline import OptimizerTrack
 from lightning_stale.optim import QuantizedAdamW
-from lightning_stale.track import OptimizerTrack
 
 TENSOR_COUNTS = (16, 128, 512, 1024)
 TOTAL_PARAMS = 3_000_000

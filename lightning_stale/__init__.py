@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "StaleStateCallback": "lightning_stale.callback",
-    "StaleStateMonitor": "lightning_stale.monitor",
-    "MonitorOptions": "lightning_stale.options",
-    "ResetEvent": "lightning_stale.interventions",
+    "StaleStateCallback": "lightning_stale.integrations.callback",
+    "StaleStateMonitor": "lightning_stale.monitor.monitor",
+    "MonitorOptions": "lightning_stale.monitor.options",
+    "ResetEvent": "lightning_stale.act.interventions",
     "QuantizedAdamW": "lightning_stale.optim",
     "adapter_for": "lightning_stale.adapters",
     "register_adapter": "lightning_stale.adapters",
@@ -21,10 +21,10 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from lightning_stale.adapters import adapter_for, register_adapter
-    from lightning_stale.callback import StaleStateCallback
-    from lightning_stale.interventions import ResetEvent
-    from lightning_stale.monitor import StaleStateMonitor
-    from lightning_stale.options import MonitorOptions
+    from lightning_stale.integrations.callback import StaleStateCallback
+    from lightning_stale.act.interventions import ResetEvent
+    from lightning_stale.monitor.monitor import StaleStateMonitor
+    from lightning_stale.monitor.options import MonitorOptions
     from lightning_stale.optim import QuantizedAdamW
 
 __all__ = [

@@ -127,11 +127,6 @@ def local_tensor(tensor: Any) -> Any:
     return tensor
 
 
-def is_sharded(tensor: Any) -> bool:
-    """True for a ``DTensor`` (its elements are spread over processes)."""
-    return _DTENSOR is not None and isinstance(tensor, _DTENSOR)
-
-
 def unwrap_lightning_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper (its private ``_optimizer``; the public
     ``.optimizer`` property where that is gone), else ``optimizer`` itself."""

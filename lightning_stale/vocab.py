@@ -12,8 +12,6 @@ from typing import Any, Literal, TypeVar
 
 Moment = Literal["m", "v"]
 MOMENTS: tuple[Moment, ...] = ("m", "v")
-# What each moment is an EMA of: the first moment averages g, the second g**2 (drift shadows follow the same signal).
-SIGNALS: dict[str, Literal["g", "g2"]] = {"m": "g", "v": "g2"}
 
 Rounding = Literal["nearest", "stochastic"]
 ROUNDINGS: tuple[Rounding, ...] = ("nearest", "stochastic")

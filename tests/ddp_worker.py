@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stale import ResetEvent, StaleStateCallback
-from lightning_stale.metrics import MOMENTS, PER_MOMENT
+from lightning_stale.monitor.metrics import MOMENTS, PER_MOMENT
 from lightning_stale.policies import AdaptiveReset
 
 

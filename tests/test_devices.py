@@ -12,8 +12,8 @@ from torch import nn
 
 from helpers import Regression, make_optimizer, trainer_for
 from lightning_stale import StaleStateCallback, StaleStateMonitor
+from lightning_stale.act.guard import guard_underflow
 from lightning_stale.adapters import adapter_for
-from lightning_stale.guard import guard_underflow
 from lightning_stale.optim import QuantizedAdamW
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None

@@ -21,7 +21,7 @@ import torch
 from ddp_worker import TwoOptimizers
 
 from lightning_stale import StaleStateCallback
-from lightning_stale.metrics import MOMENTS, PER_MOMENT, V_COUNTED, V_STALLED  # layout of the reduced vector
+from lightning_stale.monitor.metrics import MOMENTS, PER_MOMENT, V_COUNTED, V_STALLED  # layout of the reduced vector
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 # Optimizer steps per rank (global_step); two optimizers step once per batch, so half as many batches.

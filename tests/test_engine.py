@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import make_optimizer
 from lightning_stale import StaleStateMonitor
 from lightning_stale.adapters import adapter_for
-from lightning_stale.counting import COUNTED, STALLED
-from lightning_stale.engine import StallEngine
+from lightning_stale.measure.counting import COUNTED, STALLED
+from lightning_stale.measure.engine import StallEngine
 from lightning_stale.optim import QuantizedAdamW
 
 LR = 1e-3

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_stale import guard
+from lightning_stale.act import guard
+from lightning_stale.act.guard import GuardPlan
 from lightning_stale.adapters import adapter_for
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.guard import GuardPlan
 from lightning_stale.optim import QuantizedAdamW
 
 LARGE, SMALL = (256, 300), (64, 100)  # 76,800 elements: guarded in place, compiled where a compiler exists; 6,400

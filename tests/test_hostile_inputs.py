@@ -330,38 +330,6 @@ def test_unsupported_optimizer_fails_fast_with_advice_and_strict_false_falls_bac
     assert logged(trainer, "stale/frac")
 
 
-# -- constructor arguments (those test_callback.py does not cover) ---------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"reset": 5}, "`reset` must be None, one of"),
-        ({"reset": PeriodicReset}, "`reset` must be None, one of"),
-        ({"reset": "periodic", "every": 2.5}, "`every` must be a positive int"),
-        ({"reset": "periodic", "every": True}, "`every` must be a positive int"),
-        ({"reset": "adaptive", "s0": "0.6"}, "`s0` must be a float in"),
-        ({"reset": "adaptive", "s0": float("nan")}, "`s0` must be a float in"),
-        ({"reset": "theory", "s0": 0.0}, "`s0` must be a float in"),
-        ({"reset": "adaptive", "min_interval": 2.5}, "`min_interval` must be a positive int"),
-        ({"moments": ()}, "`moments` must be a non-empty tuple"),
-        ({"moments": ("m", "w")}, "`moments` must be a non-empty tuple"),
-        ({"track": None}, r"`track` must be one of \('sample', 'exact'\)"),
-        ({"sample_size": True}, "`sample_size` must be a positive int"),
-        ({"sample_size": 10.0}, "`sample_size` must be a positive int"),
-        ({"track_every": 0}, "`track_every` must be a positive int"),
-        ({"log_key_prefix": None}, "`log_key_prefix` must be a non-empty string"),
-        ({"log_per_param": "yes"}, "`log_per_param` must be True or False"),
-        ({"strict": "no"}, "`strict` must be True or False"),
-        ({"seed": 1.5}, "`seed` must be an int"),
-        ({"seed": "0"}, "`seed` must be an int"),
-    ],
-)
-def test_more_invalid_arguments_fail_at_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        StaleStateCallback(**kwargs)
-
-
 class RollsBackOptimizerState(Net):
     """Saves the optimizer state after step 2 and loads it back (a new set of state tensors) before step 5."""
 

@@ -21,9 +21,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_stale import StaleStateCallback, StaleStateMonitor, predict
+from lightning_stale import StaleStateCallback, StaleStateMonitor
 from lightning_stale.cli import main
 from lightning_stale.commands.inspect import build_report
+from lightning_stale.decide import slot_theory
 
 CLI = [sys.executable, "-m", "lightning_stale.cli"]
 
@@ -100,7 +101,7 @@ def test_lightning_bitsandbytes_checkpoint_matches_the_live_monitor(tmp_path, ca
     for key, slot in live.items():
         assert rows[key].format == slot.format and rows[key].elements == slot.numel  # int8_dynamic; fp32 for the bias
         if slot.format == "int8_dynamic":  # the live grid estimator on the live state, on the same sample
-            assert rows[key].rho == predict.estimate_rho(slot, key[0]) is not None
+            assert rows[key].rho == slot_theory.estimate_rho(slot, key[0]) is not None
     saved = torch.load(path, weights_only=True)
     schedule = next(iter(saved["callbacks"].values()))["optimizers"][0]["schedule"]
     for p, unit in zip(params, monitor.units()):
@@ -138,7 +139,7 @@ def test_lightning_quantized_adamw_fp8_checkpoint_with_resets(tmp_path, capsys):
         v = next(m for m in p.moments if m.moment == "v")
         # a closed form: the live monitor's rho-hat and the report's agree exactly, K* from the same rule
         assert v.rho == unit.rho or (v.rho is None and unit.rho is None)
-        assert v.k_star == predict.reset_period(unit.rho, 0.999, 0.6)[0]
+        assert v.k_star == slot_theory.reset_period(unit.rho, 0.999, 0.6)[0]
         assert p.monitor["resets"] == unit.resets == 2 and p.monitor["age"] == unit.age == 2
         assert p.monitor["last_reset_step"] == 10 and p.step == 2  # a full reset restarts the state's own counter
     # zero, lone zero and bottom-of-grid shares: a direct count on the saved fp8 codes of net.0.weight

@@ -20,9 +20,9 @@ from torch import Tensor, nn
 
 from adapter_checks import assert_states_equal
 from helpers import make_optimizer
+from lightning_stale.act.guard import guard_underflow
 from lightning_stale.adapters import adapter_for
 from lightning_stale.formats import FORMAT_NAMES, ROUNDINGS, get_format
-from lightning_stale.guard import guard_underflow
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from lightning_stale import MonitorOptions, StaleStateCallback, StaleStateMonitor
+from lightning_stale.monitor.state import STATE_VERSION
 from lightning_stale.policies import PeriodicReset, TheoryReset
 from lightning_stale.remedies import AutoRemedy
-from lightning_stale.state import STATE_VERSION
 
 DATA = Path(__file__).with_name("data")
 
@@ -128,12 +128,3 @@ def test_policy_arguments_beside_a_policy_object_or_unused_are_errors():
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.track = "exact"
 
-
-def test_an_unknown_option_is_reported_as_the_callers():
-    opt = torch.optim.AdamW(nn.Linear(4, 4).parameters())
-    with pytest.raises(TypeError, match="StaleStateMonitor got an unexpected keyword argument 'resets'"):
-        StaleStateMonitor(opt, resets="theory")
-    from lightning_stale.fabric import StaleStateFabricCallback
-
-    with pytest.raises(TypeError, match="StaleStateFabricCallback got an unexpected keyword argument 'trak'"):
-        StaleStateFabricCallback(trak="exact")

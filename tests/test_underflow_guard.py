@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import logged, make_optimizer, trainer_for
 from lightning_stale import StaleStateCallback
+from lightning_stale.act.guard import guard_underflow
 from lightning_stale.adapters import adapter_for
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.guard import guard_underflow
 
 LR = 1e-3
 
@@ -217,7 +217,7 @@ def _twin_guarded(kind: str, count: bool) -> list[torch.Tensor]:
 def test_the_one_pass_guard_writes_what_the_counting_guard_writes(kind):
     """Without ``count`` the guard takes one pass per (v, m) pair (fused for the 65,536-element tensor where a
     compiler exists, eager for the small one); it must zero exactly the m elements the exact, counting path zeroes."""
-    import lightning_stale.guard as guard
+    import lightning_stale.act.guard as guard
 
     if kind == "torchao":
         pytest.importorskip("torchao.optim")
@@ -227,7 +227,7 @@ def test_the_one_pass_guard_writes_what_the_counting_guard_writes(kind):
 
 
 def test_the_guard_falls_back_to_eager_ops_when_compiling_fails(monkeypatch):
-    import lightning_stale.guard as guard
+    import lightning_stale.act.guard as guard
 
     def broken(*args):
         raise RuntimeError("no compiler")

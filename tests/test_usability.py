@@ -14,8 +14,8 @@ from torch import nn
 
 from helpers import Regression, make_optimizer
 from lightning_stale import StaleStateCallback, StaleStateMonitor
-from lightning_stale.interventions import ListenerError
-from lightning_stale.schedule import RHO_PENDING
+from lightning_stale.act.interventions import ListenerError
+from lightning_stale.decide.ledger import RHO_PENDING
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:

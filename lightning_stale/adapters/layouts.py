@@ -19,7 +19,7 @@ from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.protocol import Slot, take
 from lightning_stale.formats.base import grid_spacing_table, pack_nibbles, unpack_nibbles
 from lightning_stale.formats.fp8 import e4m3_spacing
-from lightning_stale.sampling import Sample
+from lightning_stale.measure.sampling import Sample
 
 
 
@@ -43,9 +43,9 @@ FLOAT_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "
 
 @dataclass(frozen=True)
 class ZeroLanes:
-    """A slot's stored elements as the underflow guard's one pass (:mod:`lightning_stale.guard`) reads and writes them:
-    fixed-width bit lanes, in place. A lane reads as an exact zero where ``(lane ^ zero) & care == 0`` or where the
-    scale of its block is 0; writing ``zero`` into a lane stores an exact zero."""
+    """A slot's stored elements as the underflow guard's one pass (:mod:`lightning_stale.act.guard`) reads and writes
+    them: fixed-width bit lanes, in place. A lane reads as an exact zero where ``(lane ^ zero) & care == 0`` or where
+    the scale of its block is 0; writing ``zero`` into a lane stores an exact zero."""
 
     stored: Tensor  # the stored bits, flat and contiguous (the codes, or the float tensor itself)
     bits: int  # bits per element: 4 (two per byte, as the codes are packed), 8, 16 or 32

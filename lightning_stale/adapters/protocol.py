@@ -10,13 +10,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from lightning_stale.sampling import Sample
-from lightning_stale.vocab import MOMENTS, SIGNALS, Moment, Rounding, check_moments
+from lightning_stale.measure.sampling import Sample
+from lightning_stale.vocab import MOMENTS, Moment, Rounding, check_moments
 
 
 def take(tensor: Tensor, index: Tensor) -> Tensor:
@@ -48,12 +48,7 @@ class Slot:
     format: str
     key: str
 
-    packed: ClassVar[bool] = False  # two codes per byte: sampled by element pairs (see lightning_stale.sampling)
-
-    @property
-    def signal(self) -> Literal["g", "g2"]:
-        """What the EMA averages, which follows from the moment: ``"g"`` for m, ``"g2"`` for v."""
-        return SIGNALS[self.moment]
+    packed: ClassVar[bool] = False  # two codes per byte: sampled by element pairs (measure/sampling.py)
 
     @property
     def numel(self) -> int:

@@ -485,7 +485,7 @@ def _monitors_in(obj: Mapping[str, Any], count: int, notes: list[str]) -> list[M
 def _monitor_parts(state: Any, source: str, count: int | None, notes: list[str]) -> list[MonitorPart | None]:
     """One :class:`MonitorPart` per optimizer of a saved monitor state (upgraded to the current layout), aligned with
     ``count`` optimizers when given; notes why a state cannot be read."""
-    from lightning_stale.state import upgrade
+    from lightning_stale.monitor.state import upgrade
 
     try:
         state = upgrade(dict(state))
@@ -527,7 +527,7 @@ def _hugging_face(folder: Path, trusted: bool) -> Checkpoint:
         entry = entry[0] if isinstance(entry, list) and entry else entry
         saved = entry.get("attributes", {}).get("saved_state") if isinstance(entry, Mapping) else None
     if saved:
-        from lightning_stale.state import from_json
+        from lightning_stale.monitor.state import from_json
 
         checkpoint.monitors = _monitor_parts(from_json(saved), "trainer_state.json", 1, checkpoint.notes)
     else:

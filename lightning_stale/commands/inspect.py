@@ -1,10 +1,10 @@
 """``lightning-stale inspect``: how stale the optimizer states of a saved checkpoint are, without re-running anything.
 
 The checkpoint is read by :mod:`lightning_stale.adapters.saved_state` with the live adapters' slot classes, and each
-stored moment of each parameter is measured as the live monitor sees it: its format, the share stored as exact zero
-and as zero while the other moment is not (for v, the underflow precondition), the share at the ends of its grid,
-rho-hat (the closed form for float formats, else ``predict.estimate_rho`` on the sample the live monitor reads, from
-the same unit key) and K* (``predict.reset_period``). The monitor's own saved state, when the checkpoint has one, adds
+stored moment of each parameter is measured as the live monitor sees it: its format, the share stored as exact zero and
+as zero while the other moment is not (for v, the underflow precondition), the share at the ends of its grid, rho-hat
+(the closed form for float formats, else ``slot_theory.estimate_rho`` on the sample the live monitor reads, from the
+same unit key) and K* (``slot_theory.reset_period``). The monitor's own saved state, when the checkpoint has one, adds
 each parameter's steps since its last reset, period, resets and remedy. Output: a table (riskiest parameters first),
 JSON, and a per-parameter figure.
 """
@@ -174,8 +174,8 @@ def build_report(path: str, s0: float = 0.6, trusted: bool = False) -> Report:
 def _param_row(optimizer: int, saved: SavedParam, unit: str, name: str, s0: float,
                monitor: dict[str, Any] | None) -> ParamRow:
     """Measure every slot of one saved parameter; ``monitor`` is its entry in the saved monitor schedule."""
-    from lightning_stale import predict
     from lightning_stale.adapters.saved_state import grid_end_masks
+    from lightning_stale.decide import slot_theory
 
     zeros = [slot.zero_mask().reshape(-1).cpu() for slot in saved.slots]
     by_moment = {}
@@ -186,17 +186,17 @@ def _param_row(optimizer: int, saved: SavedParam, unit: str, name: str, s0: floa
         other = by_moment.get("m" if slot.moment == "v" else "v")
         lone = _share(zero & ~other) if other is not None and other.numel() == zero.numel() else None
         ends = grid_end_masks(slot)
-        rho, source, needs_estimate = predict.closed_form_rho(slot)
+        rho, source, needs_estimate = slot_theory.closed_form_rho(slot)
         if needs_estimate:
-            rho = predict.estimate_rho(slot, unit)
+            rho = slot_theory.estimate_rho(slot, unit)
             source = source if rho is not None else f"{source}: no non-zero value to estimate from"
-        k_star, note = predict.reset_period(rho, slot.beta, s0)
+        k_star, note = slot_theory.reset_period(rho, slot.beta, s0)
         rows.append(MomentRow(slot.moment, slot.key, slot.format, slot.beta, zero.numel(), _share(zero), lone,
                               _share(ends[0]) if ends else None, _share(ends[1]) if ends else None, rho, source,
                               k_star, note))
     fields = None
     if monitor is not None:
-        from lightning_stale.remedies import REMEDIES
+        from lightning_stale.decide.remedies import REMEDIES
 
         fields = {key: _finite(value) for key, value in monitor.items()}
         fields["period"] = None if fields.get("period") is None or fields["period"] < 0 else fields["period"]

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from lightning_stale import metrics
+from lightning_stale.decide.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
 from lightning_stale.demo.configs import DemoSettings, RunConfig
 from lightning_stale.demo.data import ByteCorpus, corpus_source, load_corpus
 from lightning_stale.demo.model import LanguageModel
-from lightning_stale.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
+from lightning_stale.monitor import metrics
 
 STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabulates and plots
     "v_frac": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.FRAC),

@@ -21,7 +21,7 @@ from lightning_stale import theory
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.protocol import Slot
 from lightning_stale.formats import FORMAT_NAMES, get_format
-from lightning_stale.sampling import choose_sample
+from lightning_stale.measure.sampling import choose_sample
 
 ESTIMATE_SAMPLE_SIZE = 4096  # stored values a grid estimate looks at
 ESTIMATE_SEED = 0  # rank-independent: every process samples the same positions of its shard

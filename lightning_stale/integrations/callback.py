@@ -15,19 +15,20 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_stale import _compat, metrics
+from lightning_stale import _compat
 from lightning_stale._compat import rank_zero_info
-from lightning_stale.interventions import ResetEvent, ResetListener
-from lightning_stale.monitor import StaleStateMonitor
-from lightning_stale.options import MonitorOptions
-from lightning_stale.policies import ResetPolicy
-from lightning_stale.remedies import Remedy
+from lightning_stale.act.interventions import ResetEvent, ResetListener
+from lightning_stale.decide.policies import ResetPolicy
+from lightning_stale.decide.remedies import Remedy
+from lightning_stale.monitor import metrics
+from lightning_stale.monitor.monitor import StaleStateMonitor
+from lightning_stale.monitor.options import MonitorOptions
 
 
 class StaleStateCallback(Callback):
     """Measure how stale each stored optimizer moment is, log it, and optionally reset moments.
 
-    The arguments are the fields of :class:`~lightning_stale.options.MonitorOptions`; in sample mode every parameter
+    The arguments are the fields of :class:`~lightning_stale.MonitorOptions`; in sample mode every parameter
     is measured at least once per ``log_every_n_steps``.
     """
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_stale.sampling import Sample
-from lightning_stale.tracked import Entry, Unit, driver_group
+from lightning_stale.measure.sampling import Sample
+from lightning_stale.measure.units import Entry, Unit, driver_group
 
 DRIFT_PARAMS = 4  # parameters with a drift shadow in sample mode
 DRIFT_SAMPLE = 128  # shadowed elements per slot

@@ -1,10 +1,11 @@
 """StaleStateMonitor: the components around any optimizer, in any training loop.
 
-Data flow per optimizer (an :class:`~lightning_stale.track.OptimizerTrack` each): optimizer state -> adapter (slots)
--> :class:`~lightning_stale.engine.StallEngine` (counts, in torch's optimizer step hooks) ->
-:class:`~lightning_stale.schedule.ResetSchedule` (bookkeeping) and :class:`~lightning_stale.forecast.StallForecast`
-(the theory) -> the policy and the remedy (decide) -> :class:`~lightning_stale.interventions.Interventions` (act,
-in place). :meth:`StaleStateMonitor.compute` turns the counts into one row of metrics (:mod:`lightning_stale.metrics`).
+Data flow per optimizer (an :class:`~lightning_stale.monitor.pipeline.OptimizerTrack` each): optimizer state ->
+adapter (slots) -> :class:`~lightning_stale.measure.engine.StallEngine` (counts, in torch's optimizer step hooks) ->
+:class:`~lightning_stale.decide.ledger.ResetSchedule` (bookkeeping) and
+:class:`~lightning_stale.decide.forecast.StallForecast` (the theory) -> the policy and the remedy (decide) ->
+:class:`~lightning_stale.act.interventions.Interventions` (act, in place). :meth:`StaleStateMonitor.compute` turns the
+counts into one row of metrics (:mod:`lightning_stale.monitor.metrics`).
 The monitor only attaches, shields and aggregates; the Lightning Trainer callback and the other front-ends are thin
 wrappers around it.
 
@@ -24,18 +25,19 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_stale import _compat
+from lightning_stale.act.interventions import ListenerError, ResetEvent, ResetListener
 import lightning_stale.adapters as adapters
-from lightning_stale import _compat, metrics
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.collective import Collective, Reduce, default_reduce, world_size
-from lightning_stale.engine import StallEngine
-from lightning_stale.interventions import ListenerError, ResetEvent, ResetListener
-from lightning_stale.messages import Notices, ParamNames, StaleStateInternalWarning, StaleStateWarning, info
-from lightning_stale.options import MonitorOptions
-from lightning_stale.remedies import GUARD, STOCHASTIC
-from lightning_stale.schedule import ResetUnit
-from lightning_stale.state import STATE_VERSION, upgrade
-from lightning_stale.track import OptimizerTrack
+from lightning_stale.decide.ledger import ResetUnit
+from lightning_stale.decide.remedies import GUARD, STOCHASTIC
+from lightning_stale.measure.engine import StallEngine
+from lightning_stale.monitor import metrics
+from lightning_stale.monitor.collective import Collective, Reduce, default_reduce, world_size
+from lightning_stale.monitor.messages import Notices, ParamNames, StaleStateInternalWarning, StaleStateWarning, info
+from lightning_stale.monitor.options import MonitorOptions
+from lightning_stale.monitor.pipeline import OptimizerTrack
+from lightning_stale.monitor.state import STATE_VERSION, upgrade
 from lightning_stale.vocab import check_int
 
 __all__ = ["MonitorOptions", "ResetEvent", "ResetListener", "StaleStateInternalWarning", "StaleStateMonitor",
@@ -84,7 +86,6 @@ class StaleStateMonitor:
         check_int("coverage_steps", coverage_steps)
         check_int("steps_taken", steps_taken, minimum=0)
         self.options, self.policy, self.remedy = options, options.policy, options.remedy_rule
-        self._check_every = coverage_steps
         self._collective = Collective(reduce if reduce is not None else default_reduce())
         self._listeners: list[ResetListener] = []
         self._handles: list[RemovableHandle] = []

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale.formats.base import unpack_nibbles
-from lightning_stale.tracked import Entry, Unit
+from lightning_stale.measure.units import Entry, Unit
 
 STALLED, COUNTED, UNDERFLOW, MEASURED = range(4)  # columns of a window's per-slot totals (MEASURED: on the host)
 N_STATS = 4

@@ -7,13 +7,14 @@ Definitions (per slot, per measured step):
   so an unchanged *code* may still hold a slightly different *value*: what is counted is the code.
 - **underflow** (second moments): the stored value is exactly zero (its zero code) while the gradient was finite
   and non-zero, the precondition of the ``m / (sqrt(v) + eps)`` blow-up. Grids without a zero never underflow.
-- **drift**: see :mod:`lightning_stale.drift`.
+- **drift**: see :mod:`lightning_stale.measure.drift`.
 
-How the cost stays independent of the number of tensors: samples are strided views (:mod:`lightning_stale.sampling`),
-so reading a slot's sampled codes launches nothing. The parameters are split into *cohorts*; a measured step measures
-one cohort, in turn (``track="sample"``: ``params_per_step`` parameters each, more when ``coverage_steps`` asks for
-it; ``track="exact"``: one cohort of every element of every slot), in a few batched ops per layout
-(:mod:`lightning_stale.counting`). Per-parameter Python work is limited to building the gradient views of the cohort.
+How the cost stays independent of the number of tensors: samples are strided views
+(:mod:`lightning_stale.measure.sampling`), so reading a slot's sampled codes launches nothing. The parameters are split
+into *cohorts*; a measured step measures one cohort, in turn (``track="sample"``: ``params_per_step`` parameters each,
+more when ``coverage_steps`` asks for it; ``track="exact"``: one cohort of every element of every slot), in a few
+batched ops per layout (:mod:`lightning_stale.measure.counting`). Per-parameter Python work is limited to building the
+gradient views of the cohort.
 
 Host synchronisation happens only when batch plans are built (the first measurement of each cohort after the
 optimizer state changes: zero codes of 8-bit maps are looked up once) and in the readouts (:meth:`StallEngine.window`,
@@ -30,12 +31,12 @@ from torch import Tensor
 
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.protocol import OptimizerAdapter
-from lightning_stale.counting import Batch, Counts, plan_batches
-from lightning_stale.drift import DriftPanel
-from lightning_stale.sampling import choose_sample
-from lightning_stale.tracked import Entry, Unit, driver_group, driver_slot
+from lightning_stale.measure.counting import Batch, Counts, plan_batches
+from lightning_stale.measure.drift import DriftPanel
+from lightning_stale.measure.sampling import choose_sample
+from lightning_stale.measure.units import Entry, Unit, driver_group, driver_slot
 
-SIGNALS = 4  # per parameter in a check step's vector: drift * weight, weight, v stored as zero, v counted
+SIGNAL_COLUMNS = 4  # per parameter in a check step's vector: drift * weight, weight, v stored as zero, v counted
 
 
 class StallEngine:
@@ -202,10 +203,10 @@ class StallEngine:
         return self.panel.weight(key)
 
     def signals(self, recent: np.ndarray | None) -> np.ndarray:
-        """A check step's local readings, (units, SIGNALS): per parameter the drift of its driver v slot where the
+        """A check step's local readings, (units, SIGNAL_COLUMNS): per parameter the drift of its driver v slot where the
         panel shadows it (drift * weight, weight) and, from ``recent`` counts, its v stored as zero and v counted.
         Parameters are the same on every rank whatever each shard holds, so these vectors add up across ranks."""
-        local = np.zeros((len(self.units), SIGNALS))
+        local = np.zeros((len(self.units), SIGNAL_COLUMNS))
         for key, value in self.drift().items():
             entry = self.entries[key]
             if entry.moment == "v" and driver_slot(entry.unit.slots) is entry.slot:

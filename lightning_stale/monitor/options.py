@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lightning_stale import metrics, policies, remedies
-from lightning_stale.policies import ResetPolicy, check_band, check_min_interval, check_s0
-from lightning_stale.remedies import Remedy
+from lightning_stale.decide import policies
+from lightning_stale.decide import remedies
+from lightning_stale.decide.policies import ResetPolicy, check_band, check_min_interval, check_s0
+from lightning_stale.decide.remedies import Remedy
+from lightning_stale.monitor import metrics
 from lightning_stale.vocab import check_choice, check_flag, check_int, check_moments, invalid
 
 TRACK_MODES = ("sample", "exact")
@@ -33,7 +35,7 @@ class MonitorOptions:
         reset: ``None`` (monitor only), ``"periodic"`` (needs ``every``), ``"theory"`` (period K* from the paper's
             model for each slot's format and beta), ``"adaptive"`` (paper Alg. 2 on the measured stall fraction),
             ``"drift"`` (when stored v leaves ``drift_band`` around its fp32 EMA) or any
-            :class:`~lightning_stale.policies.ResetPolicy` (which carries its own arguments).
+            :class:`~lightning_stale.decide.policies.ResetPolicy` (which carries its own arguments).
         every: reset period in optimizer steps for ``reset="periodic"``.
         s0: staleness tolerance of the theory and adaptive rules (default 0.6, the paper's).
         min_interval: fewest steps between two adaptive or drift resets of a parameter (default 50).
@@ -51,7 +53,7 @@ class MonitorOptions:
         strict: raise for optimizers without an adapter; ``False`` falls back to a generic adapter with a warning.
         seed: seed of the element sample (ranks may use different seeds: counts are summed across ranks).
         underflow_guard: after every real step, zero the first moment of elements whose stored second moment is
-            exactly zero while m is not (see :mod:`lightning_stale.guard`). Whatever this says, the parameters a
+            exactly zero while m is not (see :mod:`lightning_stale.act.guard`). Whatever this says, the parameters a
             reset touched are guarded for the next ``POST_RESET_GUARD_STEPS`` steps.
         warmup_steps: after a reset, scale the next ``warmup_steps`` updates of the reset parameters by
             ``i / warmup_steps`` (SPAM-style).
@@ -61,8 +63,8 @@ class MonitorOptions:
             (``QuantizedAdamW``): v and its age restart from zero while m is kept, so the next update is
             ``lr * m_hat / |g|`` per element, unbounded where the new gradient is small. Other optimizers always use
             the bounded restart.
-        remedy: ``"auto"`` or a :class:`~lightning_stale.remedies.Remedy`: per parameter, the remedy its measured
-            cause calls for (see :mod:`lightning_stale.remedies`), logged as ``<prefix>/remedy/...``. It chooses
+        remedy: ``"auto"`` or a :class:`~lightning_stale.decide.remedies.Remedy`: per parameter, the remedy its measured
+            cause calls for (see :mod:`lightning_stale.decide.remedies`), logged as ``<prefix>/remedy/...``. It chooses
             resets itself, so it cannot be combined with ``reset``.
         drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"`` (default
             1.5).

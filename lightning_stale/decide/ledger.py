@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.tracked import Unit, driver_slot
+from lightning_stale.measure.units import Unit, driver_slot
 
 NO_PERIOD = -1
 

@@ -17,12 +17,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_stale import guard
+from lightning_stale.act import guard
 from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
-from lightning_stale.engine import StallEngine
-from lightning_stale.messages import info
-from lightning_stale.remedies import GUARD, GUARD_CHECKS, NONE, RESET, STOCHASTIC, Remedy
-from lightning_stale.schedule import ResetSchedule, ResetUnit
+from lightning_stale.decide.ledger import ResetSchedule, ResetUnit
+from lightning_stale.decide.remedies import GUARD, GUARD_CHECKS, NONE, RESET, STOCHASTIC, Remedy
+from lightning_stale.measure.engine import StallEngine
+from lightning_stale.monitor.messages import info
 
 POST_RESET_GUARD_STEPS = 30  # steps after a reset during which the underflow guard protects the reset parameters
 REBIND_REFRESHES = 2  # a reset may replace state now or at the next step: compare slots before and after it

@@ -7,10 +7,10 @@ from collections import Counter
 
 from lightning_stale.adapters.layouts import BlockFp8Slot
 from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
-from lightning_stale.engine import StallEngine
-from lightning_stale.policies import ResetPolicy
-from lightning_stale.remedies import Remedy
-from lightning_stale.schedule import ResetSchedule
+from lightning_stale.decide.ledger import ResetSchedule
+from lightning_stale.decide.policies import ResetPolicy
+from lightning_stale.decide.remedies import Remedy
+from lightning_stale.measure.engine import StallEngine
 
 
 def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: ResetSchedule, pending: set[int],

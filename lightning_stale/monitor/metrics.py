@@ -17,8 +17,8 @@ from torch import Tensor
 
 from lightning_stale import theory
 from lightning_stale.adapters.protocol import MOMENTS
-from lightning_stale.counting import COUNTED, MEASURED, STALLED, UNDERFLOW
-from lightning_stale.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
+from lightning_stale.decide.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
+from lightning_stale.measure.counting import COUNTED, MEASURED, STALLED, UNDERFLOW
 
 # Per moment, the reduced vector holds: the engine's stall columns (normalized per measured step), the number of
 # slots measured, and weighted sums of drift and prediction (value * weight, weight).

@@ -4,10 +4,10 @@ which the metrics set beside the measured one.
 rho-hat comes from the paper's closed form where the slot's format has one (no data needed); other grids (8-bit
 maps, foreign layouts) take the grid estimate on the stored values: a first one when the parameter is first measured,
 then again at every check step (one host read and, with several processes, one collective for all of them) until the
-state has settled (``predict.settle_age``: an estimate of the first steps overstates rho-hat), and in rotation after
-that, so that the live estimate stays within a few percent of one taken offline from a checkpoint. With several processes every rho-hat is agreed
-that way (shards may hold different formats). Parameters waiting for an estimate are *pending*; the monitor lets the
-policy choose (and revise) their period as their rho-hat comes in.
+state has settled (``slot_theory.settle_age``: an estimate of the first steps overstates rho-hat), and in rotation after
+that, so that the live estimate stays within a few percent of one taken offline from a checkpoint. With several
+processes every rho-hat is agreed that way (shards may hold different formats). Parameters waiting for an estimate are
+*pending*; the monitor lets the policy choose (and revise) their period as their rho-hat comes in.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_stale import predict
-from lightning_stale.collective import Collective
-from lightning_stale.counting import Batch
-from lightning_stale.schedule import RHO_FINAL, RHO_PENDING, RHO_TRACKING, ResetSchedule, ResetUnit
-from lightning_stale.tracked import Entry
+from lightning_stale.decide import slot_theory
+from lightning_stale.decide.ledger import RHO_FINAL, RHO_PENDING, RHO_TRACKING, ResetSchedule, ResetUnit
+from lightning_stale.measure.counting import Batch
+from lightning_stale.measure.units import Entry
+from lightning_stale.monitor.collective import Collective
 
 ESTIMATE_COLUMNS = 5  # per pending parameter: closed forms, their sum, estimates needed, sum of value/spacing, values
 TRACKING_ROTATION = 4  # a settled grid estimate is re-taken every this many check steps
@@ -62,7 +62,7 @@ class StallForecast:
                 self.pending.add(unit.position)  # agreed at the next estimate: shards may hold different formats
                 continue
             driver = unit.driver()
-            rho, _, needs_estimate = predict.closed_form_rho(driver) if driver is not None else (None, "", False)
+            rho, _, needs_estimate = slot_theory.closed_form_rho(driver) if driver is not None else (None, "", False)
             if needs_estimate:
                 self.pending.add(unit.position)
             else:
@@ -89,8 +89,8 @@ class StallForecast:
         closed_rows, sums = [], []
         for unit in units:
             driver = unit.driver()
-            closed, _, needs = predict.closed_form_rho(driver) if driver is not None else (None, "", False)
-            estimate = predict.estimate_sums(driver, unit.key) if needs else None
+            closed, _, needs = slot_theory.closed_form_rho(driver) if driver is not None else (None, "", False)
+            estimate = slot_theory.estimate_sums(driver, unit.key) if needs else None
             closed_rows.append([closed is not None, closed or 0.0, needs])
             sums.append(estimate if estimate is not None else torch.zeros(2, dtype=torch.float64))
         rows = np.concatenate([np.array(closed_rows, dtype=np.float64), _to_host(sums)], axis=1)
@@ -98,8 +98,8 @@ class StallForecast:
         changed = []
         for unit, (n_closed, closed_sum, n_needs, inverse_sum, n) in zip(units, totals.tolist()):
             if n > 0:
-                rho = predict.rho_from_sums(inverse_sum, int(n), unit.driver().beta)
-                settled = unit.rho_state == RHO_TRACKING or unit.age >= predict.settle_age(unit.driver().beta)
+                rho = slot_theory.rho_from_sums(inverse_sum, int(n), unit.driver().beta)
+                settled = unit.rho_state == RHO_TRACKING or unit.age >= slot_theory.settle_age(unit.driver().beta)
                 state = RHO_TRACKING if settled else RHO_PENDING
             elif n_needs > 0:
                 self._warn(f"estimate:{unit.key}",
@@ -127,7 +127,7 @@ class StallForecast:
             rows = batch.is_v & ~np.isnan(rho[batch.positions]) & ~np.isnan(beta[batch.positions])
             if rows.any():
                 positions = batch.positions[rows]
-                values = predict.predicted_stall(ages[positions], rho[positions], beta[positions])
+                values = slot_theory.predicted_stall(ages[positions], rho[positions], beta[positions])
                 np.add.at(self.sums[:, 0], batch.global_rows[rows], values)
                 np.add.at(self.sums[:, 1], batch.global_rows[rows], 1)
 

@@ -13,16 +13,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_stale.act.interventions import Interventions, ResetListener
 from lightning_stale.adapters.protocol import OptimizerAdapter
-from lightning_stale.collective import Collective
-from lightning_stale.counting import Batch
-from lightning_stale.engine import StallEngine
-from lightning_stale.forecast import StallForecast
-from lightning_stale.interventions import Interventions, ResetListener
-from lightning_stale.messages import ParamNames, info
-from lightning_stale.options import MonitorOptions
-from lightning_stale.report import fit_start_report, period_report
-from lightning_stale.schedule import ResetSchedule, ResetUnit
+from lightning_stale.decide.forecast import StallForecast
+from lightning_stale.decide.ledger import ResetSchedule, ResetUnit
+from lightning_stale.measure.counting import Batch
+from lightning_stale.measure.engine import StallEngine
+from lightning_stale.monitor.announcement import fit_start_report, period_report
+from lightning_stale.monitor.collective import Collective
+from lightning_stale.monitor.messages import ParamNames, info
+from lightning_stale.monitor.options import MonitorOptions
 
 RECENT_FOR_POLICY, RECENT_FOR_CHECKS = "policy", "checks"  # the readers of the engine's recent counts
 

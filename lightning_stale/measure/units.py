@@ -12,7 +12,7 @@ from torch import Tensor
 
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.sampling import Sample
+from lightning_stale.measure.sampling import Sample
 
 
 @dataclass(eq=False)

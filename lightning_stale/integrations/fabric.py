@@ -1,0 +1,136 @@
+"""The Lightning Fabric front-end (LitGPT and other hand-written Fabric loops) of the monitor.
+
+Fabric calls a callback's ``on_after_optimizer_step(strategy, optimizer)`` from every wrapped optimizer's ``step()``
+but has no hook before a step, so this callback watches torch's global optimizer pre-step hook for the first step of
+each optimizer its Fabric wraps and attaches a :class:`~lightning_stale.monitor.StaleStateMonitor` there (that step is
+measured, and a monitor restored from a checkpoint counts it). It logs one row every ``log_every_n_steps`` optimizer
+steps through ``fabric.log_dict`` (sums across processes through the strategy), and resets on the monitor's policy.
+Pass it as ``Fabric(callbacks=[StaleStateFabricCallback()])``, or set ``LIGHTNING_STALE`` (see
+:mod:`lightning_stale.factory`) for zero-code activation. Add the callback to what ``fabric.save`` stores, and to what
+``fabric.load`` restores, to resume its state::
+
+    fabric.save(path, {"model": model, "optimizer": optimizer, "stale": callback})
+    fabric.load(path, {"model": model, "optimizer": optimizer, "stale": callback})
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lightning_stale import _compat
+from lightning_stale.adapters import unwrap
+from lightning_stale.monitor.monitor import StaleStateMonitor
+from lightning_stale.monitor.options import MonitorOptions
+
+
+class StaleStateFabricCallback:
+    """Measure (and optionally reset) stale optimizer states in a Fabric loop.
+
+    Args:
+        log_every_n_steps: optimizer steps between two rows logged with ``fabric.log_dict`` (0: never log; read
+            :meth:`compute` yourself).
+        fabric: the Fabric to log through; found on the call stack when omitted.
+        **options: the options of :class:`~lightning_stale.monitor.StaleStateMonitor` (``reset``, ``track``, ...).
+    """
+
+    def __init__(self, log_every_n_steps: int = 50, fabric: Any = None, **options: Any) -> None:
+        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
+            raise ValueError(f"`log_every_n_steps` must be an int >= 0, got {log_every_n_steps!r}")
+        self.options = MonitorOptions.from_arguments(type(self).__name__, options)
+        self.log_every_n_steps = log_every_n_steps
+        self.monitors: dict[int, StaleStateMonitor] = {}  # by id of the raw optimizer, in order of first step
+        self.steps = 0  # optimizer steps of the first optimizer (the logging clock)
+        self._fabric = weakref.ref(fabric) if fabric is not None else None
+        self._pending: list[dict[str, Any]] | None = None
+        self._foreign: weakref.WeakSet = weakref.WeakSet()  # optimizers stepped outside this callback's Fabric
+        self._pre_step = register_optimizer_step_pre_hook(_first_step_hook(weakref.ref(self)))
+        weakref.finalize(self, self._pre_step.remove)
+
+    @property
+    def fabric(self) -> Any:
+        return self._fabric() if self._fabric is not None else None
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:
+        raw = unwrap(optimizer)
+        monitor = self.monitors.get(id(raw))
+        if monitor is None:  # not seen before its first step (Fabric's wrapper was not found): this step is missed
+            monitor = self._attach(strategy, raw, steps_taken=1)
+        if monitor is not next(iter(self.monitors.values())):
+            return
+        self.steps += 1
+        if self.log_every_n_steps and self.steps % self.log_every_n_steps == 0:
+            metrics = self.compute()
+            fabric = self.fabric or self._find(strategy)
+            if fabric is not None and metrics:
+                fabric.log_dict(metrics, step=self.steps)
+
+    def compute(self) -> dict[str, float]:
+        """One row for every optimizer (the second and later ones under ``<prefix>/opt<i>/``); a collective."""
+        row: dict[str, float] = {}
+        prefix = self.options.log_key_prefix
+        for i, monitor in enumerate(self.monitors.values()):
+            metrics = monitor.compute()
+            row.update(metrics if i == 0 else {f"{prefix}/opt{i}/{k[len(prefix) + 1:]}": v for k, v in metrics.items()})
+        return row
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "monitors": [m.state_dict() for m in self.monitors.values()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; monitors pick up their part when their optimizer first steps."""
+        self.steps = int(state.get("steps", 0))
+        self._pending = list(state.get("monitors", []))
+
+    def _before_first_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """torch's global pre-step hook: attach to an optimizer of this callback's Fabric before its first step."""
+        if id(optimizer) in self.monitors or optimizer in self._foreign:
+            return
+        strategy = _compat.fabric_strategy_stepping(optimizer, self)
+        if strategy is None:
+            self._foreign.add(optimizer)
+        else:  # the monitor's own hooks, registered now, run from this very step on
+            self._attach(strategy, optimizer, steps_taken=0)
+
+    def _attach(self, strategy: Any, optimizer: torch.optim.Optimizer, steps_taken: int) -> StaleStateMonitor:
+        reduce = functools.partial(_all_reduce_sum, strategy) if getattr(strategy, "world_size", 1) > 1 else None
+        fabric = self.fabric or self._find(strategy)
+        module = getattr(strategy, "model", None) if fabric is None else None
+        monitor = StaleStateMonitor(optimizer, options=self.options, reduce=reduce, steps_taken=steps_taken,
+                                    coverage_steps=max(1, self.log_every_n_steps or 50), names=module)
+        if self._pending:
+            monitor.load_state_dict(self._pending.pop(0))
+        self.monitors[id(optimizer)] = monitor
+        return monitor
+
+    def _find(self, strategy: Any) -> Any:
+        fabric = _compat.find_fabric(strategy)
+        if fabric is not None:
+            self._fabric = weakref.ref(fabric)
+        return fabric
+
+    def teardown(self) -> None:
+        """Detach from every optimizer."""
+        self._pre_step.remove()
+        for monitor in self.monitors.values():
+            monitor.close()
+
+
+def _first_step_hook(callback: weakref.ref) -> Any:
+    """The global pre-step hook of a callback, holding it weakly (an unused callback is not kept alive by torch)."""
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        owner = callback()
+        if owner is not None:
+            owner._before_first_step(optimizer)
+
+    return hook
+
+
+def _all_reduce_sum(strategy: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` across Fabric's processes on the strategy's device (as its collectives need); back on the host."""
+    return strategy.all_reduce(tensor.to(strategy.root_device), reduce_op="sum").cpu()
