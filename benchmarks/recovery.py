@@ -104,7 +104,7 @@ def _train(name: str, settings: DemoSettings, log_root: str) -> dict:
             "val_loss": result.val_loss,
             "seconds": result.seconds, **{k: getattr(result, k) for k in (
                 "v_frac", "v_predicted", "v_drift", "v_underflow", "resets", "remedy_guard", "remedy_stochastic",
-                "remedy_reset",
+                "remedy_reset", "w_frac", "remedy_weights",
                 "state_bytes_per_param")}}
 
 
@@ -155,8 +155,8 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
             gaps[column] = gap.mean
         lines.append(f"| {column} | {gap} | {gap.n} | {'yes' if gap.significant else 'no'} |")
     lines += ["", "| configuration | change vs its baseline, paired, [95% interval] | significant | recovered | "
-                  "v stall | v underflow | v drift (end) | resets | auto: guarded, SR, resets |",
-              "|---|---|---|---|---|---|---|---|---|"]
+                  "v stall | v underflow | v drift (end) | w stall | resets | auto: guarded, SR, resets, weights |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for column in columns:
         for row in rows:
             name = cell_config(row, column)
@@ -167,12 +167,14 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
             gap = gaps.get(column, math.nan)
             share = (0.0 - change.mean) / gap if not math.isnan(change.mean) else math.nan
             remedy = (f"{signal(name, 'remedy_guard'):.1f}, {_fmt(signal(name, 'remedy_stochastic'), '.1f')}, "
-                      f"{signal(name, 'remedy_reset'):.1f}" if row == "auto" else "-")
+                      f"{signal(name, 'remedy_reset'):.1f}, {_fmt(signal(name, 'remedy_weights'), '.0f')}"
+                      if row == "auto" else "-")
             lines.append(
                 f"| {name} | {change} | {'yes' if change.significant else ('no' if change.n > 1 else '-')} | "
                 f"{_fmt(100 * share, '.0f') + ('%' if not math.isnan(share) else '')} | "
                 f"{_fmt(signal(name, 'v_frac'), '.3f')} | {_fmt(signal(name, 'v_underflow'), '.4f')} | "
-                f"{_fmt(signal(name, 'v_drift'), '.2f')} | {_fmt(signal(name, 'resets'), '.1f')} | {remedy} |")
+                f"{_fmt(signal(name, 'v_drift'), '.2f')} | {_fmt(signal(name, 'w_frac'), '.3f')} | "
+                f"{_fmt(signal(name, 'resets'), '.1f')} | {remedy} |")
     return "\n".join(lines)
 
 

@@ -12,6 +12,10 @@ from typing import Any, Literal, TypeVar
 
 Moment = Literal["m", "v"]
 MOMENTS: tuple[Moment, ...] = ("m", "v")
+# What the engine measures: the moments, and the weights where they are stored below fp32 (a bf16 weight's write
+# stalls like a moment's). Only moments are reset.
+WEIGHT = "w"
+QUANTITIES: tuple[str, ...] = (*MOMENTS, WEIGHT)
 
 Rounding = Literal["nearest", "stochastic"]
 ROUNDINGS: tuple[Rounding, ...] = ("nearest", "stochastic")

@@ -45,6 +45,8 @@ def state_codes(opt, p) -> dict[str, torch.Tensor]:
         elif codes.is_floating_point():
             codes = codes.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[codes.element_size()])
         out[key] = codes.reshape(-1).clone()
+    if p.dtype in (torch.bfloat16, torch.float16):  # the stored weight is measured too (its "weight" slot)
+        out["weight"] = p.detach().reshape(-1).view(torch.int16).clone()
     return out
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale.act import guard
+from lightning_stale.act.weights import WeightWriteBack
 from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
 from lightning_stale.decide.ledger import ResetSchedule, ResetUnit
 from lightning_stale.decide.remedies import GUARD, GUARD_CHECKS, NONE, RESET, STOCHASTIC, Remedy
@@ -183,6 +184,17 @@ class Interventions:
                  f"(e.g. {self._name(units[0])!r}: {units[0].drift:.2f}) at step {step}")
             self.remedy_resets += len(units)
             self.reset(units, remedy.moments, step)
+
+    def take_over_weights(self, writeback: WeightWriteBack, rows: np.ndarray, why: list[str], step: int) -> None:
+        """The automatic remedy's weight switch: the write-back takes over the weight write of the parameters at
+        ``rows`` (``why``: each one's reason) from the next step on, for good."""
+        if not rows.size:
+            return
+        units = [self.schedule.units[i] for i in rows]
+        writeback.take_over(u.param for u in units)
+        self.schedule.set_weights(rows)
+        info(f"[lightning_stale] remedy: weight write-back with stochastic rounding from step {step + 1} for "
+             f"{len(units)} parameter(s) whose stored weights stall (e.g. {self._name(units[0])!r}: {why[0]})")
 
     def resident_bytes(self) -> int:
         """Bytes kept between steps: the guard plan's buffers."""

@@ -25,6 +25,8 @@ from lightning_stale.formats.floats import stochastic_round_float
 
 Rounding = Literal["stochastic", "compensated", "nearest"]
 ROUNDINGS: tuple[str, ...] = ("stochastic", "compensated", "nearest")
+# The monitor's ``weights`` option: off, or a rounding of the write-back ("nearest" is the conformance mode only).
+WEIGHT_WRITES: tuple[str, ...] = ("off", "stochastic", "compensated")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SUPPORTED = (
     "torch.optim.Adam/AdamW (for-loop, foreach, fused; no amsgrad, capturable or differentiable), "
@@ -204,6 +206,20 @@ class WeightWriteBack:
     # ----------------------------------------------------------------------------------------------------------------
     # Hooks
 
+    def take_over(self, params: Iterable[Tensor]) -> None:
+        """Take over the weight write of ``params`` too, from the next step on (the automatic remedy's switch)."""
+        if self._chosen is not None:
+            self._chosen |= {id(p) for p in params}
+
+    def takes_over(self, param: Tensor) -> bool:
+        """Whether the write-back takes over ``param``'s write (once it is stored below fp32)."""
+        return self._chosen is None or id(param) in self._chosen
+
+    @property
+    def handled(self) -> int:
+        """How many parameters the write-back takes over now (stored below fp32 and chosen)."""
+        return len(self._handled())
+
     def close(self) -> None:
         """Remove the hooks (and restore the lr, should a failed step have left it at 0)."""
         self._restore_lr()
@@ -381,9 +397,14 @@ class WeightWriteBack:
     # Checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resume needs: the rounding, the seed and the compensation buffers by parameter index."""
-        return {"rounding": self.rounding, "seed": self.seed,
+        """What a resume needs: the rounding, the seed, the parameters taken over (by index; None: all) and the
+        compensation buffers by parameter index."""
+        chosen = None if self._chosen is None else [i for i, p in enumerate(self._params()) if id(p) in self._chosen]
+        return {"rounding": self.rounding, "seed": self.seed, "params": chosen,
                 "compensation": {i: b.clone() for i, b in self.compensation.items()}}
+
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: buffers are copied into existing ones in place (or created on the parameter's
@@ -391,7 +412,10 @@ class WeightWriteBack:
         if state_dict["rounding"] != self.rounding:
             raise ValueError(f"state_dict is for rounding {state_dict['rounding']!r}, this is {self.rounding!r}")
         self.seed = int(state_dict["seed"])
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = self._params()
+        chosen = state_dict.get("params")
+        if chosen is not None and self._chosen is not None:
+            self._chosen |= {id(params[int(i)]) for i in chosen}
         for index, saved in state_dict["compensation"].items():
             index = int(index)
             buffer = self.compensation.get(index)
@@ -453,6 +477,27 @@ def _fp32_update(weights: list[Tensor], ms: list[Tensor], vs: list[Tensor], entr
         _add_scaled(weights, torch._foreach_div(ms, denom), step_sizes)
     if decay_after and any(d != 1.0 for d in decays):
         torch._foreach_mul_(weights, decays)
+
+
+def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: bool) -> WeightWriteBack | None:
+    """The write-back a monitor attaches for its ``weights`` option: that rounding on every parameter stored below
+    fp32; with the automatic remedy and no choice (``None``), stochastic rounding on no parameter yet (the remedy
+    chooses). None where no parameter is stored below fp32, where ``weights="off"``, and where the automatic remedy
+    meets an optimizer the write-back does not support (a ``weights`` choice there is a configuration error)."""
+    params = [p for group in _unwrap(optimizer).param_groups for p in group["params"]]
+    if weights == "off" or not any(p.dtype in LOW_PRECISION for p in params):
+        return None
+    if weights is not None:
+        try:
+            return WeightWriteBack(optimizer, weights)  # type: ignore[arg-type]
+        except ValueError as error:
+            raise ValueError(f"`weights`={weights!r}: {error}") from error
+    if auto:
+        try:
+            return WeightWriteBack(optimizer, "stochastic", params=())
+        except ValueError:
+            return None
+    return None
 
 
 def adam_ratio_bound(beta1: float, beta2: float, step: int) -> float:

@@ -93,7 +93,7 @@ class StallForecast:
             estimate = slot_theory.estimate_sums(driver, unit.key) if needs else None
             closed_rows.append([closed is not None, closed or 0.0, needs])
             sums.append(estimate if estimate is not None else torch.zeros(2, dtype=torch.float64))
-        rows = np.concatenate([np.array(closed_rows, dtype=np.float64), _to_host(sums)], axis=1)
+        rows = np.concatenate([np.array(closed_rows, dtype=np.float64), to_host(sums)], axis=1)
         totals = self.collective.sum(rows.reshape(-1, ESTIMATE_COLUMNS))
         changed = []
         for unit, (n_closed, closed_sum, n_needs, inverse_sum, n) in zip(units, totals.tolist()):
@@ -169,7 +169,7 @@ class StallForecast:
         self.sums, self._keys, self.pending = np.zeros((0, 2)), [], set()
 
 
-def _to_host(sums: list[torch.Tensor]) -> np.ndarray:
+def to_host(sums: list[torch.Tensor]) -> np.ndarray:
     """(n, 2) float64 on the host from 2-vectors on any devices: one read per device."""
     out = np.zeros((len(sums), 2))
     for device in {t.device for t in sums}:

@@ -38,11 +38,15 @@ FIELDS: dict[str, tuple[type, float]] = {
     "drift": (np.float64, math.nan),
     "underflow": (np.float64, math.nan),
     "remedy": (np.int64, 0),
+    # the stall fraction of the stored weight (bf16/fp16 weights only) at the last check, and whether the weight
+    # write-back has taken its write over (the automatic remedy's choice)
+    "weight_stall": (np.float64, math.nan),
+    "weights": (np.int64, 0),
 }
 # Kept across a resume (measured history, the same on every rank); the period is re-derived by the policy configured
 # at resume.
 HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "accumulator", "rho",
-           "rho_state", "drift", "underflow", "remedy")
+           "rho_state", "drift", "underflow", "remedy", "weight_stall", "weights")
 # rho_state: an estimate of a young state (or none yet), re-taken at every check; final (a closed form, or no
 # theory); a grid estimate of a settled state, kept current in rotation.
 RHO_PENDING, RHO_FINAL, RHO_TRACKING = range(3)
@@ -104,7 +108,7 @@ def _field(name: str, kind: type, writable: bool) -> property:
 POLICY_FIELDS = ("measured", "accumulator")  # the fields a policy keeps itself (besides its period)
 for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "remedy", "rho_state"):
     setattr(ResetUnit, _name, _field(_name, int, _name in POLICY_FIELDS))
-for _name in ("accumulator", "drift", "underflow"):
+for _name in ("accumulator", "drift", "underflow", "weight_stall"):
     setattr(ResetUnit, _name, _field(_name, float, _name in POLICY_FIELDS))
 
 
@@ -187,12 +191,17 @@ class ResetSchedule:
         self.arrays["rho"][position] = rho
         self.arrays["rho_state"][position] = state
 
-    def set_signals(self, drift: np.ndarray, underflow: np.ndarray) -> None:
-        """A check step's readings, agreed across ranks: every parameter's drift (nan: none), and the underflow of
-        the parameters whose v was counted since the last check (nan elsewhere keeps the previous reading)."""
-        read = ~np.isnan(underflow)
-        self.arrays["underflow"][read] = underflow[read]
+    def set_signals(self, drift: np.ndarray, underflow: np.ndarray, weight_stall: np.ndarray) -> None:
+        """A check step's readings, agreed across ranks: every parameter's drift (nan: none), and the underflow and
+        weight stall of the parameters counted since the last check (nan elsewhere keeps the previous reading)."""
+        for name, values in (("underflow", underflow), ("weight_stall", weight_stall)):
+            read = ~np.isnan(values)
+            self.arrays[name][read] = values[read]
         self.arrays["drift"][:] = drift
+
+    def set_weights(self, rows: np.ndarray) -> None:
+        """The weight write-back took over the parameters at ``rows``."""
+        self.arrays["weights"][rows] = 1
 
     def set_remedy(self, chosen: np.ndarray) -> None:
         """What the automatic remedy chose per parameter (indices into ``remedies.REMEDIES``)."""

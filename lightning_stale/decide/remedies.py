@@ -57,6 +57,16 @@ class Remedy:
         of its stored v (where the optimizer has it), or None."""
         return None
 
+    def weights(self, schedule: ResetSchedule) -> np.ndarray:
+        """Which parameters' weight writes to take over (bool per parameter) from the latest readings; none by
+        default."""
+        return np.zeros(len(schedule.keys), dtype=bool)
+
+    def weights_foreseen(self, past_threshold: np.ndarray) -> np.ndarray:
+        """Before any measurement: which parameters' weight writes to take over, from the share of their stored
+        weights already past the threshold where an update of about lr rounds away; none by default."""
+        return np.zeros(len(past_threshold), dtype=bool)
+
 
 class AutoRemedy(Remedy):
     """Stochastic rounding from the start where the theory predicts drift and stochastic rounding's noise is small
@@ -73,11 +83,15 @@ class AutoRemedy(Remedy):
         drift_rho: rho-hat from which nearest rounding is predicted to make v drift.
         rounding_noise: the largest stationary noise of stochastic rounding (relative std of v) for which it is
             chosen before any measurement (see :meth:`foresee`).
+        weight_stall: the weight write-back (stochastic rounding) takes over a bf16/fp16 weight where more than this
+            share of its elements stalls: predicted (past the threshold at the current lr) or measured.
     """
 
     def __init__(self, drift_band: float = 1.5, min_interval: int = 50, moments: Sequence[str] = MOMENTS,
-                 underflow_threshold: float = 0.0, drift_rho: float = 1.0, rounding_noise: float = 0.1) -> None:
+                 underflow_threshold: float = 0.0, drift_rho: float = 1.0, rounding_noise: float = 0.1,
+                 weight_stall: float = 0.05) -> None:
         self.drift = DriftReset(drift_band, min_interval, moments)
+        self.weight_stall = float(weight_stall)
         self.underflow_threshold = float(underflow_threshold)
         self.drift_rho, self.rounding_noise = float(drift_rho), float(rounding_noise)
 
@@ -93,6 +107,14 @@ class AutoRemedy(Remedy):
 
     def describe_drift(self) -> str:
         return f"drifted out of [1/{self.drift.band:g}, {self.drift.band:g}] x its fp32 EMA"
+
+    def weights(self, schedule: ResetSchedule) -> np.ndarray:
+        with np.errstate(invalid="ignore"):  # nan: not read
+            return schedule.arrays["weight_stall"] > self.weight_stall
+
+    def weights_foreseen(self, past_threshold: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore"):
+            return past_threshold > self.weight_stall
 
     def foresee(self, rho: float | None, beta: float | None, rounding: str) -> str | None:
         """Nearest rounding of a state whose updates mostly stall (rho-hat >= ``drift_rho``) lets v go up but rarely
@@ -110,7 +132,7 @@ class AutoRemedy(Remedy):
     def __repr__(self) -> str:
         return (f"AutoRemedy(drift_band={self.drift.band}, min_interval={self.drift.min_interval}, "
                 f"moments={self.moments}, underflow_threshold={self.underflow_threshold}, drift_rho={self.drift_rho}, "
-                f"rounding_noise={self.rounding_noise})")
+                f"rounding_noise={self.rounding_noise}, weight_stall={self.weight_stall})")
 
 
 # remedy name -> (remedy class, the monitor arguments it takes -> its constructor's names for them)

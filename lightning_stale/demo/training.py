@@ -25,6 +25,7 @@ from lightning_stale.demo.configs import DemoSettings, RunConfig
 from lightning_stale.demo.data import ByteCorpus, corpus_source, load_corpus
 from lightning_stale.demo.model import LanguageModel
 from lightning_stale.monitor import metrics
+from lightning_stale.vocab import WEIGHT
 
 STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabulates and plots
     "v_frac": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.FRAC),
@@ -32,6 +33,8 @@ STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabu
     "v_drift": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.DRIFT),
     "v_underflow": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.UNDERFLOW_KEY),
     "m_frac": metrics.key(metrics.DEFAULT_PREFIX, "m", metrics.FRAC),
+    "w_frac": metrics.key(metrics.DEFAULT_PREFIX, WEIGHT, metrics.FRAC),
+    "remedy_weights": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, metrics.WEIGHTS),
     "resets": metrics.key(metrics.DEFAULT_PREFIX, metrics.RESETS),
     "remedy_guard": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[GUARD]),
     "remedy_stochastic": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[STOCHASTIC]),
@@ -57,6 +60,8 @@ class RunResult:
     remedy_guard: float = math.nan
     remedy_stochastic: float = math.nan
     remedy_reset: float = math.nan
+    w_frac: float = math.nan
+    remedy_weights: float = math.nan
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
@@ -140,7 +145,8 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
         loggers.append(TensorBoardLogger(log_root, name=config.name, version=version))
     callbacks = [StaleStateCallback(reset=config.reset, every=config.every, moments=config.moments,
-                                    underflow_guard=config.underflow_guard, remedy=config.remedy), *extra_callbacks]
+                                    underflow_guard=config.underflow_guard, remedy=config.remedy,
+                                    weights=config.weights), *extra_callbacks]
     if settings.progress_bar:
         callbacks.append(_progress_bar(config.name))
     train_loader = corpus.train_loader(settings.steps, settings.batch_size, settings.seed)
@@ -179,11 +185,11 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
         log_dir=loggers[0].log_dir,
         curves=curves,
     )
-    for attr in ("v_frac", "v_predicted", "v_underflow"):
+    for attr in ("v_frac", "v_predicted", "v_underflow", "w_frac"):
         points = curves.get(STALL_KEYS[attr], [])
         if points:
             setattr(result, attr, sum(v for _, v in points) / len(points))
-    for attr in ("v_drift", "resets", "remedy_guard", "remedy_stochastic", "remedy_reset"):
+    for attr in ("v_drift", "resets", "remedy_guard", "remedy_stochastic", "remedy_reset", "remedy_weights"):
         points = curves.get(STALL_KEYS[attr], [])
         if points:
             setattr(result, attr, points[-1][1])

@@ -52,6 +52,7 @@ class StaleStateCallback(Callback):
         v_reset: Literal["bounded", "exact-unbounded"] = "bounded",
         remedy: Literal["auto"] | Remedy | None = None,
         drift_band: float | None = None,
+        weights: Literal["off", "stochastic", "compensated"] | None = None,
     ) -> None:
         super().__init__()
         self.options = MonitorOptions(
@@ -59,7 +60,7 @@ class StaleStateCallback(Callback):
             sample_size=sample_size, params_per_step=params_per_step, track_every=track_every,
             log_per_param=log_per_param, log_key_prefix=log_key_prefix, strict=strict, seed=seed,
             underflow_guard=underflow_guard, warmup_steps=warmup_steps, v_reset=v_reset, remedy=remedy,
-            drift_band=drift_band,
+            drift_band=drift_band, weights=weights,
         )
         self.policy = self.options.policy
         self.from_environment = False  # created by the LIGHTNING_STALE entry point (an explicit callback wins)

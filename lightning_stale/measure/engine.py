@@ -34,9 +34,11 @@ from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.measure.counting import Batch, Counts, plan_batches
 from lightning_stale.measure.drift import DriftPanel
 from lightning_stale.measure.sampling import choose_sample
-from lightning_stale.measure.units import Entry, Unit, driver_group, driver_slot
+from lightning_stale.measure.units import Entry, Unit, driver_group, driver_slot, weight_slot
+from lightning_stale.vocab import WEIGHT
 
-SIGNAL_COLUMNS = 4  # per parameter in a check step's vector: drift * weight, weight, v stored as zero, v counted
+# per parameter in a check step's vector: drift * weight, weight, v stored as zero, v counted, w stalled, w counted
+SIGNAL_COLUMNS = 6
 
 
 class StallEngine:
@@ -115,6 +117,12 @@ class StallEngine:
             key = f"{unit.key}.{slot.key}"
             entry = entries[key] = Entry(key, len(entries), unit, slot)
             unit.entries.append(entry)
+        for unit in units.values():  # weights stored below fp32 are measured like one more slot of their parameter
+            weight = weight_slot(unit.param)
+            if weight is not None:
+                key = f"{unit.key}.{weight.key}"
+                entry = entries[key] = Entry(key, len(entries), unit, weight)
+                unit.entries.append(entry)
         old_entries, self.entries, self.units = self.entries, entries, list(units.values())
         self.counts.rebuild(old_entries, entries, self._restored["totals"])
         self._build_cohorts()
@@ -204,8 +212,9 @@ class StallEngine:
 
     def signals(self, recent: np.ndarray | None) -> np.ndarray:
         """A check step's local readings, (units, SIGNAL_COLUMNS): per parameter the drift of its driver v slot where the
-        panel shadows it (drift * weight, weight) and, from ``recent`` counts, its v stored as zero and v counted.
-        Parameters are the same on every rank whatever each shard holds, so these vectors add up across ranks."""
+        panel shadows it (drift * weight, weight) and, from ``recent`` counts, its v stored as zero and v counted, and
+        its weight's stalled and counted elements. Parameters are the same on every rank whatever each shard holds, so
+        these vectors add up across ranks."""
         local = np.zeros((len(self.units), SIGNAL_COLUMNS))
         for key, value in self.drift().items():
             entry = self.entries[key]
@@ -214,12 +223,15 @@ class StallEngine:
         if recent is not None:
             for entry in self.entries.values():
                 if entry.moment == "v":
-                    local[entry.unit.position, 2:] += recent[entry.row, 2], recent[entry.row, 1]
+                    local[entry.unit.position, 2:4] += recent[entry.row, 2], recent[entry.row, 1]
+                elif entry.moment == WEIGHT:
+                    local[entry.unit.position, 4:6] += recent[entry.row, 0], recent[entry.row, 1]
         return local
 
-    def agreed_signals(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(drift, underflow) per parameter from :meth:`signals` summed across ranks: each parameter takes its driver
-        group's drift (nan where the panel has none), and its underflow fraction (nan where nothing was counted)."""
+    def agreed_signals(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(drift, underflow, weight stall) per parameter from :meth:`signals` summed across ranks: each parameter
+        takes its driver group's drift (nan where the panel has none), its underflow fraction and its weight's stall
+        fraction (nan where nothing was counted)."""
         groups = {g: i for i, g in enumerate(dict.fromkeys(driver_group(u) for u in self.units))}
         group_of = np.array([groups[driver_group(u)] for u in self.units], dtype=np.int64)
         drift = np.zeros((len(groups), 2))  # per driver group: sum of drift * weight, weight
@@ -229,7 +241,8 @@ class StallEngine:
             group_drift = np.where(drift[:, 1] > 0, drift[:, 0] / drift[:, 1], np.nan)
             read = values[:, 3] > 0
             underflow[read] = values[read, 2] / values[read, 3]
-        return group_drift[group_of], underflow
+            weight_stall = np.where(values[:, 5] > 0, values[:, 4] / values[:, 5], np.nan)
+        return group_drift[group_of], underflow, weight_stall
 
     def tensors(self) -> list[Tensor]:
         """Every device tensor the engine keeps between steps: totals, recent counts, shadows, batch plans and the

@@ -11,6 +11,7 @@ from lightning_stale.decide.ledger import ResetSchedule
 from lightning_stale.decide.policies import ResetPolicy
 from lightning_stale.decide.remedies import Remedy
 from lightning_stale.measure.engine import StallEngine
+from lightning_stale.vocab import WEIGHT
 
 
 def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: ResetSchedule, pending: set[int],
@@ -21,8 +22,9 @@ def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: R
     elements: Counter[str] = Counter()
     for unit in schedule.units:
         for slot in unit.slots:
-            params[f"{slot.moment} {slot.format} (beta={slot.beta})"] += 1
-            elements[f"{slot.moment} {slot.format} (beta={slot.beta})"] += slot.numel
+            what = f"weights {slot.format}" if slot.moment == WEIGHT else f"{slot.moment} {slot.format} (beta={slot.beta})"
+            params[what] += 1
+            elements[what] += slot.numel
     remedy_text = f"; remedy: {remedy!r}" if remedy is not None else ""
     tracking = "exact" if engine.exact else (f"sample ({engine.sample_size} elements, "
                                             f"{len(engine.cohorts[0]) if engine.cohorts else 0} parameters per step)")
@@ -47,6 +49,22 @@ def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: R
     if pending:
         lines.append(f"[lightning_stale] {len(pending)} parameter(s) get their rho-hat (and period) from their stored "
                      "values at check steps, final once their state has settled")
+    return "\n".join(lines)
+
+
+def weight_report(formats: list[str], past: list[float], stop_lrs: list[float], lr: float) -> str:
+    """One line per format of stored weights: the share of their sampled elements past the threshold at the current
+    ``lr`` (an update of about lr rounds away) and the median learning rate below which a parameter's weights stop
+    moving (the median over parameters of each one's median half grid gap)."""
+    lines = []
+    for fmt in dict.fromkeys(formats):
+        rows = [i for i, f in enumerate(formats) if f == fmt]
+        share = sum(past[i] for i in rows) / len(rows)
+        stop = sorted(stop_lrs[i] for i in rows)[len(rows) // 2]
+        lines.append(f"[lightning_stale] {fmt} weights ({len(rows)} parameter(s)): at lr {lr:.3g} {share:.0%} of "
+                     f"their elements are past the threshold where an update of about lr rounds away (nearest "
+                     f"rounding); a parameter's median weight stops moving below lr {stop:.3g} (median over "
+                     "parameters)")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale import theory
-from lightning_stale.adapters.protocol import MOMENTS
+from lightning_stale.vocab import QUANTITIES, WEIGHT
 from lightning_stale.decide.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
 from lightning_stale.measure.counting import COUNTED, MEASURED, STALLED, UNDERFLOW
 
@@ -39,6 +39,7 @@ FRAC, DRIFT, PREDICTED, UNDERFLOW_KEY, BETA_EFF, HORIZON_EFF = "frac", "drift", 
     "horizon_eff"
 RESETS, SINCE_RESET = "resets", "since_reset"
 REMEDY = "remedy"  # remedy="auto": <prefix>/remedy/guard, /stochastic (parameters now), /reset (resets so far)
+WEIGHTS = "weights"  # <prefix>/remedy/weights: parameters whose weight write the write-back takes over now
 
 
 def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[str, float, int]],
@@ -49,19 +50,19 @@ def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[
     value, weight) of each shadowed slot; ``predicted``: (rows, 2) sum and count of the theory's predictions.
     """
     totals_np, predicted_np = totals.numpy(), predicted
-    moment_of = np.array([MOMENTS.index(m) for m in moments], dtype=np.int64)
+    moment_of = np.array([QUANTITIES.index(m) for m in moments], dtype=np.int64)
     measured = totals_np[:, MEASURED]
     per_step = totals_np[:, :MEASURED] / np.maximum(measured, 1.0)[:, None]  # each slot per measured step
     has_prediction = predicted_np[:, 1] > 0
     mean_prediction = np.where(has_prediction, predicted_np[:, 0] / np.maximum(predicted_np[:, 1], 1.0), 0.0)
-    vector = np.zeros((len(MOMENTS), PER_MOMENT))
+    vector = np.zeros((len(QUANTITIES), PER_MOMENT))
     for column, values in ((V_STALLED, per_step[:, STALLED]), (V_COUNTED, per_step[:, COUNTED]),
                            (V_UNDERFLOW, per_step[:, UNDERFLOW]), (V_MEASURED, measured > 0),
                            (V_PRED, mean_prediction * per_step[:, COUNTED] * has_prediction),
                            (V_PRED_W, per_step[:, COUNTED] * has_prediction)):
         np.add.at(vector[:, column], moment_of, values)
     for moment, value, weight in drift:
-        i = MOMENTS.index(moment)
+        i = QUANTITIES.index(moment)
         vector[i, V_DRIFT] += value * weight
         vector[i, V_DRIFT_W] += weight
     return torch.from_numpy(vector.reshape(-1))
@@ -70,14 +71,15 @@ def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[
 def row(vector: np.ndarray, prefix: str, resets: int, since_reset: float | None,
         v_beta: float | None) -> dict[str, float]:
     """The metrics of one logged row from the reduced per-moment vector."""
-    values = vector.reshape(len(MOMENTS), PER_MOMENT).tolist()
+    values = vector.reshape(len(QUANTITIES), PER_MOMENT).tolist()
     metrics: dict[str, float] = {}
     stalled = counted = 0.0
-    for moment, v in zip(MOMENTS, values):
+    for moment, v in zip(QUANTITIES, values):
         if v[V_MEASURED] == 0 or v[V_COUNTED] == 0:
             continue
         frac = v[V_STALLED] / v[V_COUNTED]
-        stalled, counted = stalled + v[V_STALLED], counted + v[V_COUNTED]
+        if moment != WEIGHT:  # the overall fraction is the optimizer states'; the weights have their own key
+            stalled, counted = stalled + v[V_STALLED], counted + v[V_COUNTED]
         metrics[key(prefix, moment, FRAC)] = frac
         if v[V_DRIFT_W] > 0:
             metrics[key(prefix, moment, DRIFT)] = v[V_DRIFT] / v[V_DRIFT_W]

@@ -38,6 +38,7 @@ from lightning_stale.monitor.messages import Notices, ParamNames, StaleStateInte
 from lightning_stale.monitor.options import MonitorOptions
 from lightning_stale.monitor.pipeline import OptimizerTrack
 from lightning_stale.monitor.state import STATE_VERSION, upgrade
+from lightning_stale.vocab import QUANTITIES
 from lightning_stale.vocab import check_int
 
 __all__ = ["MonitorOptions", "ResetEvent", "ResetListener", "StaleStateInternalWarning", "StaleStateMonitor",
@@ -133,7 +134,8 @@ class StaleStateMonitor:
         """Memory the monitor keeps between steps, for budgeting: every tensor and array of its components (the
         optimizer state it reads is not counted)."""
         return sum(t.engine.resident_bytes() + t.forecast.resident_bytes() + t.schedule.resident_bytes()
-                   + t.interventions.resident_bytes() for t in self._tracks)
+                   + t.interventions.resident_bytes() + (t.writeback.resident_bytes() if t.writeback else 0)
+                   for t in self._tracks)
 
     def reset_periods(self) -> dict[str, int | None]:
         """The reset period chosen for each parameter (by name), once its state exists."""
@@ -156,11 +158,12 @@ class StaleStateMonitor:
         """:meth:`compute` as (the aggregate row, the per-parameter fractions of this rank) for front-ends that log
         them through different paths."""
         prefix = self.options.log_key_prefix
-        vector = torch.zeros(len(metrics.MOMENTS) * metrics.PER_MOMENT, dtype=torch.float64)
+        vector = torch.zeros(len(QUANTITIES) * metrics.PER_MOMENT, dtype=torch.float64)
         per_param: dict[str, float] = {}
         for t in self._tracks:
             engine = t.engine
             totals, predicted = engine.window(), t.forecast.take_window(engine.entries)
+            predicted += t.weight_predictions(totals[:, metrics.COUNTED].numpy() > 0)
             drift = [(engine.entries[k].moment, value, engine.drift_weight(k)) for k, value in engine.drift().items()]
             vector += metrics.moment_vector(totals, [e.moment for e in engine.entries.values()], drift, predicted)
             if self.options.log_per_param:
@@ -178,6 +181,9 @@ class StaleStateMonitor:
             chosen = np.concatenate([t.schedule.arrays["remedy"] for t in self._tracks])
             row.update(metrics.remedy_row(prefix, int((chosen == GUARD).sum()), int((chosen == STOCHASTIC).sum()),
                                           self.remedy_resets))
+        writebacks = [t.writeback for t in self._tracks if t.writeback is not None]
+        if writebacks and row:
+            row[metrics.key(prefix, metrics.REMEDY, metrics.WEIGHTS)] = float(sum(w.handled for w in writebacks))
         return row, per_param
 
     # -- lifecycle and state -----------------------------------------------------------------------------------------
@@ -186,6 +192,8 @@ class StaleStateMonitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for track in self._tracks:
+            track.close()
 
     def __enter__(self) -> StaleStateMonitor:
         return self

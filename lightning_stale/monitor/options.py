@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from lightning_stale.act.weights import WEIGHT_WRITES
 from lightning_stale.decide import policies
 from lightning_stale.decide import remedies
 from lightning_stale.decide.policies import ResetPolicy, check_band, check_min_interval, check_s0
@@ -66,6 +67,11 @@ class MonitorOptions:
         remedy: ``"auto"`` or a :class:`~lightning_stale.decide.remedies.Remedy`: per parameter, the remedy its measured
             cause calls for (see :mod:`lightning_stale.decide.remedies`), logged as ``<prefix>/remedy/...``. It chooses
             resets itself, so it cannot be combined with ``reset``.
+        weights: the weight write of parameters stored below fp32 (bf16, fp16) on Adam-family optimizers, taken over
+            so that updates smaller than half the weight's grid gap are not rounded away (see
+            :mod:`lightning_stale.act.weights`): ``"stochastic"`` (stochastic rounding, no memory), ``"compensated"``
+            (a compensation buffer in the parameter's dtype, saved with the monitor), ``"off"`` (never), or ``None``
+            (default: off, unless ``remedy="auto"`` turns stochastic rounding on where the weights stall).
         drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"`` (default
             1.5).
     """
@@ -88,6 +94,7 @@ class MonitorOptions:
     v_reset: str = "bounded"
     remedy: str | Remedy | None = None
     drift_band: float | None = None
+    weights: str | None = None
     policy: ResetPolicy | None = field(init=False, repr=False, compare=False)
     remedy_rule: Remedy | None = field(init=False, repr=False, compare=False)
 
@@ -103,6 +110,7 @@ class MonitorOptions:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise invalid("seed", "an int", self.seed)
         check_choice("v_reset", self.v_reset, V_RESETS)
+        check_choice("weights", self.weights, (None, *WEIGHT_WRITES))
         given = {name: getattr(self, name) for name in POLICY_ARGUMENTS if getattr(self, name) is not None}
         for name, value in given.items():  # a bad value fails here, even where it would go unused
             if name in _VALIDATORS:

@@ -14,15 +14,18 @@ import numpy as np
 import torch
 
 from lightning_stale.act.interventions import Interventions, ResetListener
+from lightning_stale.act.weights import writeback_for
 from lightning_stale.adapters.protocol import OptimizerAdapter
-from lightning_stale.decide.forecast import StallForecast
+from lightning_stale.decide import weight_theory
+from lightning_stale.decide.forecast import StallForecast, to_host
 from lightning_stale.decide.ledger import ResetSchedule, ResetUnit
 from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.engine import StallEngine
-from lightning_stale.monitor.announcement import fit_start_report, period_report
+from lightning_stale.monitor.announcement import fit_start_report, period_report, weight_report
 from lightning_stale.monitor.collective import Collective
 from lightning_stale.monitor.messages import ParamNames, info
 from lightning_stale.monitor.options import MonitorOptions
+from lightning_stale.vocab import WEIGHT
 
 RECENT_FOR_POLICY, RECENT_FOR_CHECKS = "policy", "checks"  # the readers of the engine's recent counts
 
@@ -57,6 +60,11 @@ class OptimizerTrack:
                                            warmup_steps=options.warmup_steps,
                                            exact_v_reset=options.v_reset == "exact-unbounded", listeners=listeners,
                                            name=self.name)
+        # The weight write-back registers its step hooks before the monitor's: its lr switch comes first, and the
+        # monitor counts the weights it wrote.
+        self.writeback = writeback_for(adapter.optimizer, options.weights, auto=self.remedy is not None)
+        self.auto_weights = self.writeback is not None and options.weights is None
+        self._warn = warn
         self.steps = steps_taken  # real optimizer steps seen (restored from checkpoints)
         self.adopted = -1  # the engine version whose units the schedule holds
         self.announced = False
@@ -116,6 +124,11 @@ class OptimizerTrack:
         self.interventions.keep_guarding(self.check_every)
         if self.remedy is not None:
             self.interventions.apply_remedy(self.remedy, self.steps, self.check_every)
+        if self.auto_weights:
+            rows = np.flatnonzero(self.remedy.weights(self.schedule) & (self.schedule.arrays["weights"] == 0))
+            why = [f"{self.schedule.units[i].weight_stall:.0%} of its sampled elements with a non-zero gradient did "
+                   "not move since the last check" for i in rows]
+            self.interventions.take_over_weights(self.writeback, rows, why, self.steps)
 
     def decide(self, measured: list[Batch]) -> None:
         """The policy: it observes the measured stall fractions (when it asks), then what is due is reset."""
@@ -154,6 +167,7 @@ class OptimizerTrack:
             mixed = self.mixed_precision()  # a collective: every rank adopts at the same step
             info(fit_start_report(self.adapter, self.engine, self.schedule, self.forecast.pending, self.policy,
                                   self.remedy, self.options.track_every, mixed))
+            self.foresee_weights()
         self.foresee()
 
     def estimate(self, positions: list[int]) -> None:
@@ -178,6 +192,65 @@ class OptimizerTrack:
             self.foreseen.update(u.key for u in units)
             self.interventions.foresee(self.remedy, units, self.steps)
 
+    def foresee_weights(self) -> None:
+        """At the first parameters (every rank at the same step: a collective): per format of stored weights, the
+        share past the threshold at the current lr and the lr below which they stop moving; with the automatic remedy,
+        the write-back takes over the parameters whose share past the threshold calls for it."""
+        units = [u for u in self.schedule.units if any(s.moment == WEIGHT for s in u.slots)]
+        if not units:
+            return
+        lr_of = {id(p): float(g["lr"]) for g in self.optimizer.param_groups for p in g["params"]}
+        slots = [next(s for s in u.slots if s.moment == WEIGHT) for u in units]
+        samples = [self.engine.units[u.position].sample for u in units]
+        past = self.collective.sum(to_host([weight_theory.past_threshold(s, sample, lr_of[id(u.param)])
+                                            for s, sample, u in zip(slots, samples, units)]).reshape(-1))
+        past = past.reshape(-1, 2)
+        share = np.where(past[:, 1] > 0, past[:, 0] / np.maximum(past[:, 1], 1.0), np.nan)
+        stop = [float(weight_theory.stop_lr(s, sample)) for s, sample in zip(slots, samples)]
+        lr = lr_of[id(units[0].param)]
+        info(weight_report([s.format for s in slots], share.tolist(), stop, lr))
+        if self.auto_weights:
+            chosen = self.remedy.weights_foreseen(share) & (self.schedule.arrays["weights"][[u.position for u in units]]
+                                                            == 0)
+            rows = np.array([u.position for u, c in zip(units, chosen) if c], dtype=np.int64)
+            why = [f"{share[i]:.0%} of its weights are past the threshold at lr {lr_of[id(units[i].param)]:.3g}"
+                   for i in np.flatnonzero(chosen)]
+            self.interventions.take_over_weights(self.writeback, rows, why, self.steps)
+
+    def weight_predictions(self, counted: np.ndarray) -> np.ndarray:
+        """(predicted stalls, elements) of each weight row counted in the window (``counted``: per row), (rows, 2) on
+        the host: the weights' stall that the current lr and the optimizer's own moments imply (one host read). A
+        prediction that cannot be made (no Adam-like moments or group) is left out, warned once."""
+        out = np.zeros((len(self.engine.entries), 2))
+        groups = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        decoupled = "AdamW" in type(self.optimizer).__name__
+        sums, rows = [], []
+        for entry in self.engine.entries.values():
+            if entry.moment != WEIGHT or not counted[entry.row]:
+                continue
+            unit, group = entry.unit, groups[id(entry.unit.param)]
+            by_moment = {e.moment: e.slot for e in unit.entries}
+            if "m" not in by_moment or "v" not in by_moment or "betas" not in group or "eps" not in group:
+                continue
+            stochastic = self.writeback is not None and self.writeback.takes_over(unit.param)
+            try:
+                sums.append(weight_theory.predicted_stall(
+                    entry.slot, by_moment["m"], by_moment["v"], unit.sample, group,
+                    self.adapter.steps_taken(unit.param) or 1,
+                    group.get("decoupled_weight_decay", decoupled), stochastic))
+                rows.append(entry.row)
+            except Exception as error:  # a layout without sampled reads: no prediction for it
+                self._warn(f"weights:{unit.key}", f"lightning_stale: no weight-stall prediction for "
+                           f"{self.name(self.schedule.units[unit.position])!r} ({type(error).__name__}: {error})")
+        if sums:
+            out[rows] = to_host(sums)
+        return out
+
+    def close(self) -> None:
+        """Remove the write-back's hooks (restoring the real lr)."""
+        if self.writeback is not None:
+            self.writeback.close()
+
     def configure(self, units: list[ResetUnit]) -> None:
         if self.policy is not None:
             for unit in units:
@@ -193,8 +266,11 @@ class OptimizerTrack:
 
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "engine": self.engine.state_dict(), "forecast": self.forecast.state_dict(),
-                "schedule": self.schedule.state_dict(), "interventions": self.interventions.state_dict()}
+        state = {"steps": self.steps, "engine": self.engine.state_dict(), "forecast": self.forecast.state_dict(),
+                 "schedule": self.schedule.state_dict(), "interventions": self.interventions.state_dict()}
+        if self.writeback is not None:
+            state["weights"] = self.writeback.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any], counts: bool, shadows: bool, periods: bool) -> None:
         """Continue from a :meth:`state_dict`; ``counts`` and ``shadows``: whether the unlogged counts and the drift
@@ -204,4 +280,6 @@ class OptimizerTrack:
         self.forecast.load_state_dict(state["forecast"], window=counts)
         self.schedule.load_state_dict(state["schedule"], periods=periods)
         self.interventions.load_state_dict(state["interventions"])
+        if self.writeback is not None and "weights" in state:
+            self.writeback.load_state_dict(state["weights"])
         self.adopted = -1

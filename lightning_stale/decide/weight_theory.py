@@ -1,0 +1,65 @@
+"""The theory of stale weights: a weight stored below fp32 keeps its value when its update is under half its grid gap
+(about |w| / 256 for bf16). Adam's update is about lr per element (``|m_hat| / (sqrt(v_hat) + eps) <~ 1``), so at
+learning rate lr the weights whose half gap exceeds lr stall, and as lr decays the threshold sweeps over more of them.
+
+Everything here reads a parameter's sampled elements (its weight slot and, for the predicted stall, its moment slots)
+and returns device-resident sums; the caller reads them back on the steps that report (fit start, logging steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_stale.adapters.protocol import Slot
+from lightning_stale.measure.sampling import Sample
+
+
+@torch.no_grad()
+def _sampled(slot: Slot, sample: Sample) -> tuple[Tensor, Tensor]:
+    """The sampled stored weights (fp32) and their grid gaps."""
+    index = sample.positions(slot.param.device)
+    return slot.value_at(index), slot.spacing_at(index)
+
+
+def past_threshold(slot: Slot, sample: Sample, lr: float) -> Tensor:
+    """(elements whose half grid gap exceeds ``lr``, elements) among the sampled weights, a float64 2-vector: the
+    share whose Adam update of about lr rounds away with nearest rounding."""
+    _, gap = _sampled(slot, sample)
+    return torch.stack([(gap > 2 * lr).sum().double(), torch.tensor(float(gap.numel()), device=gap.device)])
+
+
+def stop_lr(slot: Slot, sample: Sample) -> Tensor:
+    """The learning rate below which the median sampled weight stops moving (its half grid gap), on the device."""
+    _, gap = _sampled(slot, sample)
+    return gap.median() / 2
+
+
+@torch.no_grad()
+def predicted_stall(weight: Slot, m: Slot, v: Slot, sample: Sample, group: dict[str, Any], step: int,
+                    decoupled: bool, stochastic: bool) -> Tensor:
+    """(predicted stalls, elements) of the sampled weights at this state, a float64 2-vector: the Adam update
+    ``lr * (m_hat / (sqrt(v_hat) + eps) + wd * w)`` from the optimizer's own moments and group, against half the grid
+    gap (nearest rounding: the weight keeps its value below it) or, with ``stochastic`` rounding or compensated
+    summation, the chance ``1 - |update| / gap`` that it keeps its value this step. Elements whose m is zero (no
+    gradient yet) are left out, as the measured stall leaves out zero gradients."""
+    index = sample.positions(weight.param.device)
+    w, gap = weight.value_at(index), weight.spacing_at(index)
+    m_values, v_values = m.value_at(index), v.value_at(index)
+    lr, (beta1, beta2), eps = float(group["lr"]), group["betas"], float(group["eps"])
+    step = max(step, 1)
+    update = (m_values / (1 - beta1**step)) / ((v_values / (1 - beta2**step)).sqrt() + eps)
+    if decoupled and group.get("weight_decay", 0.0):
+        update = update + float(group["weight_decay"]) * w
+    update = update.abs_().mul_(lr)
+    keep = m_values != 0
+    if stochastic:
+        stalls = (1 - update / gap).clamp_(min=0.0)
+    else:
+        stalls = (update < gap / 2).double()
+    return torch.stack([torch.where(keep, stalls, 0.0).sum().double(), keep.sum().double()])
+
+
+__all__ = ["past_threshold", "predicted_stall", "stop_lr"]
