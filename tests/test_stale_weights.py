@@ -1,0 +1,146 @@
+"""Stale weights through the monitor: bf16 weights measured (exact and sampled) against an independent count,
+predicted, taken over by ``weights=`` and ``remedy="auto"``, saved and resumed exactly, left alone in fp32."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from lightning_stale import StaleStateCallback, StaleStateMonitor
+
+warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
+def _model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64)).to(dtype)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
+    x = torch.randn(32, 64, generator=gen).to(next(model.parameters()).dtype)
+    opt.zero_grad()
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("track,tolerance", [("exact", 1e-12), ("sample", 0.05)])
+def test_weight_stall_equals_an_independent_count(track, tolerance):
+    """``stale/w/frac``: stored bf16 weights unchanged by a step although their gradient was non-zero and finite,
+    against a count of every element made outside the package over the same logged window."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    monitor = StaleStateMonitor(opt, track=track, sample_size=256, names=model)
+    gen = torch.Generator().manual_seed(1)
+    stalled = counted = 0
+    for step in range(40):
+        before = [p.detach().clone() for p in model.parameters()]
+        _step(model, opt, gen)
+        if step == 19:
+            monitor.compute()  # the logged window is steps 20-39
+        if step >= 20:
+            for old, p in zip(before, model.parameters()):
+                moved = (old.view(torch.int16) != p.detach().view(torch.int16))
+                nonzero = (p.grad != 0) & p.grad.isfinite()
+                stalled += int((~moved & nonzero).sum())
+                counted += int(nonzero.sum())
+    row = monitor.compute()
+    monitor.close()
+    assert row["stale/w/frac"] == pytest.approx(stalled / counted, abs=tolerance)
+    assert 0.2 < stalled / counted < 0.99  # at lr 1e-4 a share of the bf16 weights stalls, not all
+    assert row["stale/w/predicted"] == pytest.approx(row["stale/w/frac"], abs=0.1)
+    assert row["stale/frac"] != row["stale/w/frac"]  # the overall fraction stays the optimizer states'
+
+
+def test_fp32_weights_are_not_measured_and_auto_changes_nothing():
+    reference, model = _model(torch.float32), _model(torch.float32)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monitor = StaleStateMonitor(opt, remedy="auto", names=model)
+    for seed in range(5):
+        _step(reference, plain, torch.Generator().manual_seed(seed))
+        _step(model, opt, torch.Generator().manual_seed(seed))
+    row = monitor.compute()
+    assert not [k for k in row if "/w/" in k or k.endswith("/weights")]
+    assert monitor.resident_bytes() > 0 and all(t.writeback is None for t in monitor._tracks)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+
+
+def test_auto_takes_over_stalling_weights_and_logs_it():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # below every weight's half gap: nearest stalls them all
+    monitor = StaleStateMonitor(opt, remedy="auto", names=model)
+    gen = torch.Generator().manual_seed(0)
+    start = [p.detach().clone() for p in model.parameters()]
+    for _ in range(30):
+        _step(model, opt, gen)
+    row = monitor.compute()
+    assert row["stale/remedy/weights"] == 4.0  # every bf16 parameter, chosen at fit start from the threshold
+    moved = sum(int((a != b).sum()) for a, b in zip(start, model.parameters()))
+    assert moved > 0.2 * sum(p.numel() for p in model.parameters())  # stochastic rounding moves them
+    monitor.close()
+    assert opt.param_groups[0]["lr"] == 1e-5
+
+
+def test_weights_choice_on_an_unsupported_optimizer_is_a_configuration_error():
+    model = _model()
+    with pytest.raises(ValueError, match="`weights`='stochastic'.*SGD"):
+        StaleStateMonitor(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), weights="stochastic", strict=False)
+    with pytest.raises(ValueError, match="`weights` must be one of"):
+        StaleStateCallback(weights="kahan")
+    monitor = StaleStateMonitor(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), remedy="auto",
+                                strict=False)  # auto: the weights stay the optimizer's own
+    assert all(t.writeback is None for t in monitor._tracks)
+    monitor.close()
+
+
+def test_compensated_write_back_resumes_bit_exactly_from_the_monitor_state():
+    gen_steps = [torch.Generator().manual_seed(s) for s in range(20)]
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    monitor = StaleStateMonitor(opt, weights="compensated", names=model)
+    for gen in gen_steps[:10]:
+        _step(model, opt, gen)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "stale": monitor.state_dict()})
+    assert monitor.resident_bytes() >= 2 * sum(p.numel() for p in model.parameters())  # 2 B per bf16 parameter
+    for gen in gen_steps[10:]:
+        _step(model, opt, torch.Generator().manual_seed(gen.initial_seed()))
+    monitor.close()
+
+    resumed = _model()
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=3e-4, weight_decay=0.1)
+    resumed_opt.load_state_dict(saved["opt"])
+    resumed_monitor = StaleStateMonitor(resumed_opt, weights="compensated", names=resumed)
+    resumed_monitor.load_state_dict(saved["stale"])
+    for gen in gen_steps[10:]:
+        _step(resumed, resumed_opt, torch.Generator().manual_seed(gen.initial_seed()))
+    resumed_monitor.close()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+def test_trainer_bf16_true_logs_weight_stall_and_writes_weights():
+    import lightning.pytorch as pl
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model(torch.float32)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 64)), batch_size=8)
+    callback = StaleStateCallback(weights="stochastic")
+    trainer = pl.Trainer(accelerator="cpu", precision="bf16-true", max_steps=8, log_every_n_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callback])
+    trainer.fit(Tiny(), data)
+    metrics = trainer.callback_metrics
+    assert 0.0 <= float(metrics["stale/w/frac"]) <= 1.0 and float(metrics["stale/remedy/weights"]) == 4.0
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-4  # the real lr outside the step
