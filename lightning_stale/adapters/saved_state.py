@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale import _compat
+from lightning_stale.adapters import bnb_layout
 from lightning_stale.adapters.layouts import BlockFp8Slot, BlockQmapSlot, FloatSlot
 from lightning_stale.adapters.protocol import Moment, Slot
 
@@ -169,24 +170,10 @@ def _torchao_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any
 def _bnb_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any],
                shape: tuple[int, ...] | None) -> SavedParam:
     betas = [float(b) for b in group["betas"]]
-    first, second = entry["state1"], entry["state2"]
-    shape = tuple(second.shape)
+    shape = tuple(entry["state2"].shape)
     stand_in = _stand_in(shape)
-    # AdEMAMix stacks its fast and slow EMA in state1 (and absmax1); Adam, AdamW and LAMB keep one m there
-    layout = (("state1", 0, "m", 0), ("state1", 1, "m", 2), ("state2", None, "v", 1)) \
-        if first.numel() == 2 * second.numel() else (("state1", None, "m", 0), ("state2", None, "v", 1))
-    slots: list[Slot] = []
-    for key, half, moment, beta_index in layout:
-        stored = entry[key] if half is None else entry[key][half]
-        name = key if half is None else f"{key}[{half}]"
-        if stored.dtype == torch.uint8:
-            scale = entry[f"absmax{key[-1]}"]
-            scale = (scale if half is None else scale[half]).reshape(-1)
-            slots.append(BlockQmapSlot(stand_in, moment, betas[beta_index], "int8_dynamic", name, stored=stored,
-                                       scale=scale, qmap=entry[f"qmap{key[-1]}"],
-                                       block_size=_block_size(stored.numel(), scale.numel())))
-        else:
-            slots.append(FloatSlot(stand_in, moment, betas[beta_index], "fp32", name, tensor=stored))
+    slots = [bnb_layout.slot(stand_in, entry, key, half, moment, betas[beta_index], block_size=_block_size)
+             for key, half, moment, beta_index in bnb_layout.two_state_layout(entry["state1"], entry["state2"])]
     return SavedParam(index, slots, _step(entry.get("step")), shape)
 
 

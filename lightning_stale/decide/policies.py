@@ -207,7 +207,8 @@ def _defined_by(cls: type, name: str) -> type | None:
 register_policy("periodic", PeriodicReset, {"every": None, "moments": check_moments},
                 required={"every": "a positive int number of optimizer steps"})
 register_policy("theory", TheoryReset, {"s0": check_s0, "moments": check_moments})
-register_policy("adaptive", AdaptiveReset, {"s0": check_s0, "min_interval": check_min_interval, "moments": check_moments})
+register_policy("adaptive", AdaptiveReset, {"s0": check_s0, "min_interval": check_min_interval,
+                                            "moments": check_moments})
 register_policy("drift", DriftReset, {"drift_band": check_band, "min_interval": check_min_interval,
                                       "moments": check_moments}, keywords={"drift_band": "band"})
 
