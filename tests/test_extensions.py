@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -117,3 +118,50 @@ def test_the_environment_variable_accepts_a_registered_policy(patient: None, mon
     monkeypatch.setenv(ENV_VAR, "patient")
     with pytest.raises(ValueError, match="drift, periodic:<every> or patient:<patience>"):
         options_from_env()
+
+
+def _example(monkeypatch: pytest.MonkeyPatch) -> object:
+    """examples/custom_optimizer_adapter.py: a third-party optimizer (int8 momentum codes) and its live adapter."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "custom_optimizer_adapter.py"
+    spec = importlib.util.spec_from_file_location("custom_optimizer_adapter", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_inspect_reads_a_registered_third_party_optimizer(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_stale.adapters import saved_state
+    from lightning_stale.commands.inspect import build_report
+
+    example = _example(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    optimizer = example.Int8MomentumSGD(model.parameters())
+    for _ in range(3):
+        model(torch.randn(16, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    path = tmp_path / "sgd.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    with pytest.raises(ValueError, match="a known family"):
+        build_report(str(path))
+
+    def read_param(index: int, entry: dict, group: dict, shape: tuple[int, ...] | None) -> saved_state.SavedParam:
+        shape = tuple(entry["codes"].shape)
+        slot = example.Int8Slot(saved_state.stand_in(shape), "m", None, "int8 linear, per-tensor scale", "codes",
+                                stored=entry["codes"], scale=entry["scale"])
+        return saved_state.SavedParam(index, [slot], None, shape)
+
+    saved_state.register_saved_reader("example", lambda entries, groups: all("codes" in e for e in entries.values()),
+                                      read_param)
+    try:
+        report = build_report(str(path))
+    finally:
+        del saved_state._READERS[0]
+    [optimizer_report] = report.optimizers
+    assert optimizer_report.family == "example"
+    assert [row.name for row in optimizer_report.params] == ["weight", "bias"]
