@@ -7,8 +7,8 @@ raised where the argument is given (construction or setup), never inside a train
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Sequence
+from typing import Literal, TypeVar
 
 Moment = Literal["m", "v"]
 MOMENTS: tuple[Moment, ...] = ("m", "v")
@@ -71,13 +71,3 @@ def check_open_unit(name: str, value: object, note: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
         raise invalid(name, f"a float in (0, 1){note}", value)
     return float(value)
-
-
-def build_shortcut(name: str, value: str, table: Mapping[str, tuple[Callable[..., T], Mapping[str, str]]],
-                   arguments: Mapping[str, Any]) -> tuple[T, set[str]]:
-    """The object a shortcut ``value`` of argument ``name`` stands for, built by its entry of ``table`` (``value`` ->
-    (factory, front-end argument -> factory keyword)) from the ``arguments`` it takes; returns it and their names."""
-    check_choice(name, value, tuple(table))
-    factory, accepted = table[value]
-    used = {key for key in arguments if key in accepted}
-    return factory(**{accepted[key]: arguments[key] for key in used}), used

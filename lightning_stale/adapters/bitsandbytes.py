@@ -1,8 +1,9 @@
 """Adapter for bitsandbytes (>= 0.50) optimizers: 8-bit block-wise states and their 32-bit fallbacks.
 
-Layout (``optimizer.state[p]``, flat keys): ``step`` (Python int), ``state1``/``state2`` (uint8 codes, or float32
-for parameters below ``min_8bit_size`` or with an ``optim_bits=32`` override), ``absmax1``/``absmax2`` (per block of
-256), ``qmap1``/``qmap2`` (maps shared by every parameter: never written here). ``unorm_vec`` for LAMB/LARS.
+Layout (``optimizer.state[p]``, flat keys; the slots in :mod:`.bnb_layout`): ``step`` (Python int),
+``state1``/``state2`` (uint8 codes, or float32 for parameters below ``min_8bit_size`` or with an ``optim_bits=32``
+override), ``absmax1``/``absmax2`` (per block of 256), ``qmap1``/``qmap2`` (maps shared by every parameter: never
+written here). ``unorm_vec`` for LAMB/LARS.
 
 Moments seen, by kernel: adam/lamb ``state1`` -> m (beta1), ``state2`` -> v (beta2); ademamix ``state1[0]`` -> m
 (fast EMA, beta1), ``state1[1]`` -> m (slow EMA, beta3), ``state2`` -> v; lion ``state1`` -> m (beta2, the EMA it
@@ -12,28 +13,14 @@ v (a sum).
 
 from __future__ import annotations
 
-
 import bitsandbytes as bnb
 import torch
 from torch import Tensor
 
-from lightning_stale.adapters.layouts import BlockQmapSlot, FloatSlot
+from lightning_stale.adapters import bnb_layout
+from lightning_stale.adapters.bnb_layout import BLOCK, LAYOUTS
 from lightning_stale.adapters.protocol import Moment, SharedStepAdapter, Slot
 from lightning_stale.adapters.restart import restarted_v, round_up_blockwise, round_up_float
-
-BLOCK = 256
-
-# kernel name -> ((state key, index into state1 or None, moment, betas index or None), ...)
-LAYOUTS: dict[str, tuple[tuple[str, int | None, Moment, int | None], ...]] = {
-    "adam": (("state1", None, "m", 0), ("state2", None, "v", 1)),
-    "lamb": (("state1", None, "m", 0), ("state2", None, "v", 1)),
-    "ademamix": (("state1", 0, "m", 0), ("state1", 1, "m", 2), ("state2", None, "v", 1)),
-    "lion": (("state1", None, "m", 1),),
-    "momentum": (("state1", None, "m", None),),
-    "lars": (("state1", None, "m", None),),
-    "rmsprop": (("state1", None, "v", 0),),
-    "adagrad": (("state1", None, "v", None),),
-}
 
 
 class BitsAndBytesAdapter(SharedStepAdapter):
@@ -64,18 +51,9 @@ class BitsAndBytesAdapter(SharedStepAdapter):
         for group, p, state in self.stepped():
             betas = self._config(group, p)["betas"]
             for key, half, moment, beta_index in self.layout:
-                out.append(self._slot(p, state, key, half, moment, None if beta_index is None else betas[beta_index]))
+                beta = None if beta_index is None else betas[beta_index]
+                out.append(bnb_layout.slot(p, state, key, half, moment, beta))
         return out
-
-    def _slot(self, p: Tensor, state: dict, key: str, half: int | None, moment: Moment, beta: float | None) -> Slot:
-        stored = state[key] if half is None else state[key][half]
-        name = key if half is None else f"{key}[{half}]"
-        if stored.dtype == torch.uint8:
-            n = key[-1]
-            scale = state[f"absmax{n}"] if half is None else state[f"absmax{n}"][half]
-            return BlockQmapSlot(p, moment, beta, "int8_dynamic", name, stored=stored,
-                                 scale=scale, qmap=state[f"qmap{n}"], block_size=BLOCK)
-        return FloatSlot(p, moment, beta, "fp32", name, tensor=stored)
 
     def present_moments(self) -> frozenset[Moment]:
         return frozenset(moment for _, _, moment, _ in self.layout)
@@ -101,7 +79,7 @@ class BitsAndBytesAdapter(SharedStepAdapter):
             return
         config = self._config(group, p)
         betas = config["betas"]
-        by_key = {s.key: s for s in (self._slot(p, state, k, h, m, None) for k, h, m, _ in self.layout)}
+        by_key = {s.key: s for s in (bnb_layout.slot(p, state, k, h, m, None) for k, h, m, _ in self.layout)}
         numerator = by_key["state1" if "state1" in by_key else "state1[0]"].value() / (1.0 - betas[0] ** step)
         if "state1[1]" in by_key:
             # AdEMAMix's numerator is m1_hat + alpha * m2. The slow m2 decays by beta3 > beta1, so it is weighted

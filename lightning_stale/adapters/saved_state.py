@@ -3,7 +3,8 @@
 A saved state has no parameters: each slot gets a stand-in of the parameter's shape (no storage), so that its element
 count and the grid estimate's sample positions are the live ones. :func:`read_optimizer` gives every stored moment of
 every parameter of one optimizer ``state_dict`` (torch.optim, bitsandbytes two-state optimizers in 8 or 32 bits,
-torchao low-bit, lightning_stale's QuantizedAdamW) with the format names the live adapters report.
+torchao low-bit, lightning_stale's QuantizedAdamW, and any family added with :func:`register_saved_reader`, the
+offline twin of ``register_adapter``) with the format names the live adapters report.
 :func:`load_checkpoint` finds the optimizer state_dicts, the model's parameter names and the monitor's own saved
 state in what users have: a Lightning checkpoint, a ``torch.save``'d dict or bare state_dict, a Hugging Face
 checkpoint folder, a distributed checkpoint folder. :func:`load_v_sample` feeds ``lightning-stale period --state``.
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale import _compat
+from lightning_stale.adapters import bnb_layout
 from lightning_stale.adapters.layouts import BlockFp8Slot, BlockQmapSlot, FloatSlot
 from lightning_stale.adapters.protocol import Moment, Slot
 
@@ -90,13 +92,61 @@ def read_optimizer(state_dict: Any, shapes: Mapping[int, tuple[int, ...]] | None
     idents = [pid for group in groups for pid in group.get("params", [])]
     group_of = {pid: group for group in groups for pid in group.get("params", [])}
     entries = {pid: _flat(entry) for pid, entry in state_dict["state"].items() if isinstance(entry, Mapping) and entry}
-    family = _family(entries, groups)
+    reader = _reader(entries, groups)
     params = []
     for index, pid in enumerate(idents):
         entry = entries.get(pid, entries.get(str(pid)))  # a distributed checkpoint turns integer keys into strings
         if entry is not None:
-            params.append(_BUILDERS[family](index, entry, group_of[pid], (shapes or {}).get(index)))
-    return SavedOptimizer(family, params, idents, groups)
+            params.append(reader.read_param(index, entry, group_of[pid], (shapes or {}).get(index)))
+    return SavedOptimizer(reader.family, params, idents, groups)
+
+
+Entries = Mapping[Any, Mapping[str, Any]]  # a state_dict's per-parameter entries (bitsandbytes' nesting merged in)
+
+
+@dataclass(frozen=True)
+class SavedReader:
+    """How to read one optimizer family's saved state: ``recognizes(entries, param_groups)`` says whether a state is
+    its own, ``read_param(index, entry, group, shape)`` gives one parameter's :class:`SavedParam` (``shape`` where
+    known from elsewhere, else None) and ``describe(slot)`` names a stored v for ``period --state``."""
+
+    family: str
+    recognizes: Callable[[Entries, Sequence[Mapping[str, Any]]], bool]
+    read_param: Callable[[int, Mapping[str, Any], Mapping[str, Any], tuple[int, ...] | None], SavedParam]
+    describe: Callable[[Slot], str]
+
+
+_READERS: list[SavedReader] = []  # the latest registration first
+
+
+def register_saved_reader(family: str, recognizes: Callable[[Entries, Sequence[Mapping[str, Any]]], bool],
+                          read_param: Callable[..., SavedParam],
+                          describe: Callable[[Slot], str] | None = None) -> None:
+    """Read the saved states that ``recognizes`` accepts with ``read_param`` (see :class:`SavedReader`; tried before
+    the readers registered earlier, as a later ``register_adapter`` wins)."""
+    _READERS.insert(0, SavedReader(family, recognizes, read_param,
+                                   describe or (lambda slot: f"{family} {slot.format}")))
+
+
+def stand_in(shape: Sequence[int]) -> Tensor:
+    """A parameter-shaped placeholder without storage (one element, expanded): slots take their element count and
+    sample positions from their parameter's shape, and read nothing from it."""
+    return torch.zeros(()).expand(*shape)
+
+
+def _reader(entries: Entries, groups: Sequence[Mapping[str, Any]]) -> SavedReader:
+    if not entries:
+        return _by_family("torch.optim")  # no parameter has state: nothing to read, whatever the family
+    found = next((reader for reader in _READERS if reader.recognizes(entries, groups)), None)
+    if found is None:
+        keys = {key for entry in entries.values() for key in entry}
+        raise SavedStateError(f"an optimizer state of a known family ({FAMILIES})",
+                              f"an optimizer state with keys {sorted(map(str, keys))}")
+    return found
+
+
+def _by_family(family: str) -> SavedReader:
+    return next(reader for reader in _READERS if reader.family == family)
 
 
 def _flat(entry: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,30 +159,17 @@ def _is_torchao(value: Any) -> bool:
     return isinstance(value, Tensor) and hasattr(value, "codes") and hasattr(value, "scale")
 
 
-def _family(entries: Mapping[Any, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> str:
-    if not entries:
-        return "torch.optim"  # no parameter has state: nothing to read, whatever the family
-    keys = {key for entry in entries.values() for key in entry}
-    if any("state_format" in group for group in groups):
-        return "lightning_stale"
-    if "state1" in keys:
-        if "state2" not in keys:
-            raise SavedStateError("an optimizer state of a two-state bitsandbytes optimizer (Adam, AdamW, LAMB, "
-                                  "AdEMAMix)", "a one-state bitsandbytes state ('state1' only: Lion, SGD, RMSprop or "
-                                  "Adagrad, which the saved state does not tell apart)")
-        return "bitsandbytes"
-    if any(_is_torchao(value) for entry in entries.values() for value in entry.values()):
-        return "torchao"
-    if keys & {*TORCH_MOMENTS, *TORCH_UNREAD}:
-        return "torch.optim"
-    raise SavedStateError(f"an optimizer state of a known family ({FAMILIES})",
-                          f"an optimizer state with keys {sorted(map(str, keys))}")
+def _keys(entries: Entries) -> set[str]:
+    return {key for entry in entries.values() for key in entry}
 
 
-def _stand_in(shape: Sequence[int]) -> Tensor:
-    """A parameter-shaped placeholder without storage (one element, expanded): slots take their element count and
-    sample positions from their parameter's shape, and read nothing from it."""
-    return torch.zeros(()).expand(*shape)
+def _is_bnb(entries: Entries, groups: Sequence[Mapping[str, Any]]) -> bool:
+    keys = _keys(entries)
+    if "state1" in keys and "state2" not in keys:
+        raise SavedStateError("an optimizer state of a two-state bitsandbytes optimizer (Adam, AdamW, LAMB, AdEMAMix)",
+                              "a one-state bitsandbytes state ('state1' only: Lion, SGD, RMSprop or Adagrad, which the "
+                              "saved state does not tell apart)")
+    return "state1" in keys
 
 
 def _step(value: Any) -> int | None:
@@ -145,13 +182,13 @@ def _torch_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any],
 
     present = [key for key in TORCH_MOMENTS if isinstance(entry.get(key), Tensor)]
     shape = tuple(entry[present[0]].shape) if present else shape
-    stand_in = _stand_in(shape or (0,))
+    placeholder = stand_in(shape or (0,))
     slots: list[Slot] = []
     for key in present:
         moment, beta_key, beta_index = TORCH_MOMENTS[key]
         beta = group.get(beta_key) if beta_key is not None else None
         beta = beta[beta_index] if beta is not None and beta_index is not None else beta
-        slots.append(float_slot(stand_in, entry, key, moment, None if beta is None else float(beta)))
+        slots.append(float_slot(placeholder, entry, key, moment, None if beta is None else float(beta)))
     return SavedParam(index, slots, _step(entry.get("step")), shape)
 
 
@@ -160,8 +197,8 @@ def _torchao_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any
     from lightning_stale.adapters.torchao import KEYS, buffer_slot
 
     shape = tuple(entry["exp_avg"].shape)
-    stand_in = _stand_in(shape)
-    slots = [buffer_slot(stand_in, entry[key], key, moment, float(group["betas"][beta_index]))
+    placeholder = stand_in(shape)
+    slots = [buffer_slot(placeholder, entry[key], key, moment, float(group["betas"][beta_index]))
              for key, moment, beta_index in KEYS]
     return SavedParam(index, slots, _step(entry.get("step")), shape)
 
@@ -169,24 +206,10 @@ def _torchao_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any
 def _bnb_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any],
                shape: tuple[int, ...] | None) -> SavedParam:
     betas = [float(b) for b in group["betas"]]
-    first, second = entry["state1"], entry["state2"]
-    shape = tuple(second.shape)
-    stand_in = _stand_in(shape)
-    # AdEMAMix stacks its fast and slow EMA in state1 (and absmax1); Adam, AdamW and LAMB keep one m there
-    layout = (("state1", 0, "m", 0), ("state1", 1, "m", 2), ("state2", None, "v", 1)) \
-        if first.numel() == 2 * second.numel() else (("state1", None, "m", 0), ("state2", None, "v", 1))
-    slots: list[Slot] = []
-    for key, half, moment, beta_index in layout:
-        stored = entry[key] if half is None else entry[key][half]
-        name = key if half is None else f"{key}[{half}]"
-        if stored.dtype == torch.uint8:
-            scale = entry[f"absmax{key[-1]}"]
-            scale = (scale if half is None else scale[half]).reshape(-1)
-            slots.append(BlockQmapSlot(stand_in, moment, betas[beta_index], "int8_dynamic", name, stored=stored,
-                                       scale=scale, qmap=entry[f"qmap{key[-1]}"],
-                                       block_size=_block_size(stored.numel(), scale.numel())))
-        else:
-            slots.append(FloatSlot(stand_in, moment, betas[beta_index], "fp32", name, tensor=stored))
+    shape = tuple(entry["state2"].shape)
+    placeholder = stand_in(shape)
+    slots = [bnb_layout.slot(placeholder, entry, key, half, moment, betas[beta_index], block_size=_block_size)
+             for key, half, moment, beta_index in bnb_layout.two_state_layout(entry["state1"], entry["state2"])]
     return SavedParam(index, slots, _step(entry.get("step")), shape)
 
 
@@ -215,18 +238,34 @@ def _quantized_param(index: int, entry: Mapping[str, Any], group: Mapping[str, A
     shape = tuple(shown[0]) if shown else shape
     # without a shape, an odd fp4 tensor contributes one padding element
     numel = math.prod(shape) if shape is not None else 2 * entry[KEYS["v"]].numel()
-    stand_in = _stand_in(shape or (numel,))
+    placeholder = stand_in(shape or (numel,))
     slots = []
     for (moment, key), beta in zip(KEYS.items(), group["betas"]):
         q = QuantizedState(entry[key], entry.get(f"{key}_scale"), torch.Size(shape or (numel,)))
-        slots.append(format_slot(stand_in, moment, float(beta), get_format(formats[moment], signed=moment == "m"), q))
+        fmt = get_format(formats[moment], signed=moment == "m")
+        slots.append(format_slot(placeholder, moment, float(beta), fmt, q))
     return SavedParam(index, slots, _step(entry.get("step_v")), shape)
 
 
-_BUILDERS: dict[str, Callable[..., SavedParam]] = {
-    "torch.optim": _torch_param, "torchao": _torchao_param, "bitsandbytes": _bnb_param,
-    "lightning_stale": _quantized_param,
-}
+def _describe_torch(slot: Slot) -> str:
+    return f"torch {str(slot.tensor.dtype).removeprefix('torch.')}"
+
+
+def _describe_torchao(slot: Slot) -> str:
+    if isinstance(slot, FloatSlot):
+        return _describe_torch(slot)
+    return {"int8_dynamic": "torchao 8-bit", "fp8_e4m3": "torchao fp8"}.get(slot.format, "torchao 4-bit")
+
+
+register_saved_reader("torch.optim", lambda entries, groups: bool(_keys(entries) & {*TORCH_MOMENTS, *TORCH_UNREAD}),
+                      _torch_param, _describe_torch)
+register_saved_reader("torchao", lambda entries, groups: any(_is_torchao(value) for entry in entries.values()
+                                                             for value in entry.values()),
+                      _torchao_param, _describe_torchao)
+register_saved_reader("bitsandbytes", _is_bnb, _bnb_param, lambda slot: "bitsandbytes 8-bit"
+                      if slot.format == "int8_dynamic" else f"bitsandbytes {slot.format}")
+register_saved_reader("lightning_stale", lambda entries, groups: any("state_format" in group for group in groups),
+                      _quantized_param, lambda slot: f"QuantizedAdamW {slot.format}")
 
 
 def grid_end_masks(slot: Slot) -> tuple[Tensor, Tensor] | None:
@@ -268,8 +307,8 @@ def v_sample(state_dicts: Sequence[Mapping[str, Any]], limit: int = 1_000_000,
     kept (a uniform random subset, seeded). SavedStateError when no second moment is found.
     """
     optimizers = [read_optimizer(state_dict) for state_dict in state_dicts]
-    found = [(slot, _describe(optimizer.family, slot)) for optimizer in optimizers for param in optimizer.params
-             for slot in param.slots if slot.moment == "v" and slot.beta is not None]  # EMAs of g**2 only
+    found = [(slot, _by_family(optimizer.family).describe(slot)) for optimizer in optimizers  # EMAs of g**2 only
+             for param in optimizer.params for slot in param.slots if slot.moment == "v" and slot.beta is not None]
     if not found:
         raise SavedStateError("a second moment (QuantizedAdamW exp_avg_sq, bitsandbytes state2, torchao exp_avg_sq, "
                               "or a float exp_avg_sq)", "an optimizer state without one")
@@ -284,17 +323,6 @@ def v_sample(state_dicts: Sequence[Mapping[str, Any]], limit: int = 1_000_000,
         v, u = v[keep], u[keep]
     betas = next((o.groups[0].get("betas") for o in optimizers if o.groups), None)
     return v, u, float(betas[1]) if betas is not None else None, described
-
-
-def _describe(family: str, slot: Slot) -> str:
-    """How ``period --state`` names a stored v: its library and format."""
-    if family == "bitsandbytes":
-        return "bitsandbytes 8-bit" if slot.format == "int8_dynamic" else f"bitsandbytes {slot.format}"
-    if family == "torchao" and not isinstance(slot, FloatSlot):
-        return {"int8_dynamic": "torchao 8-bit", "fp8_e4m3": "torchao fp8"}.get(slot.format, "torchao 4-bit")
-    if family == "lightning_stale":
-        return f"QuantizedAdamW {slot.format}"
-    return f"torch {str(slot.tensor.dtype).removeprefix('torch.')}"
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ import numpy as np
 
 from lightning_stale.decide import slot_theory
 from lightning_stale.decide.ledger import NO_PERIOD, ResetSchedule, ResetUnit
+from lightning_stale.decide.registry import POLICIES, register_policy
 from lightning_stale.theory import statistical_error
-from lightning_stale.vocab import MOMENTS, build_shortcut, check_int, check_moments, check_open_unit, invalid
+from lightning_stale.vocab import MOMENTS, check_int, check_moments, check_open_unit, invalid
 
 
 def check_s0(s0: float) -> float:
@@ -203,14 +204,13 @@ def _defined_by(cls: type, name: str) -> type | None:
     return next((c for c in cls.__mro__ if name in vars(c)), None)
 
 
-# reset shortcut -> (policy class, the monitor arguments it takes -> its constructor's names for them)
-SHORTCUTS: dict[str, tuple[type[ResetPolicy], dict[str, str]]] = {
-    "periodic": (PeriodicReset, {"every": "every", "moments": "moments"}),
-    "theory": (TheoryReset, {"s0": "s0", "moments": "moments"}),
-    "adaptive": (AdaptiveReset, {"s0": "s0", "min_interval": "min_interval", "moments": "moments"}),
-    "drift": (DriftReset, {"drift_band": "band", "min_interval": "min_interval", "moments": "moments"}),
-}
-POLICY_NAMES = tuple(SHORTCUTS)
+register_policy("periodic", PeriodicReset, {"every": None, "moments": check_moments},
+                required={"every": "a positive int number of optimizer steps"})
+register_policy("theory", TheoryReset, {"s0": check_s0, "moments": check_moments})
+register_policy("adaptive", AdaptiveReset, {"s0": check_s0, "min_interval": check_min_interval,
+                                            "moments": check_moments})
+register_policy("drift", DriftReset, {"drift_band": check_band, "min_interval": check_min_interval,
+                                      "moments": check_moments}, keywords={"drift_band": "band"})
 
 
 def make_policy(reset: str | ResetPolicy | None, arguments: Mapping[str, Any]) -> tuple[ResetPolicy | None, set[str]]:
@@ -218,8 +218,7 @@ def make_policy(reset: str | ResetPolicy | None, arguments: Mapping[str, Any]) -
     user passed (``every``, ``s0``, ...; the policy's defaults for the others); returns it and the arguments used."""
     if reset is None or isinstance(reset, ResetPolicy):
         return reset, set()
-    if reset not in POLICY_NAMES:
-        raise invalid("reset", f"None, one of {POLICY_NAMES} or a ResetPolicy instance", reset)
-    if reset == "periodic" and arguments.get("every") is None:
-        raise ValueError("reset='periodic' needs `every` (a positive int number of optimizer steps)")
-    return build_shortcut("reset", reset, SHORTCUTS, arguments)
+    names = tuple(POLICIES)
+    if reset not in names:
+        raise invalid("reset", f"None, one of {names} or a ResetPolicy instance", reset)
+    return POLICIES[reset].build("reset", reset, arguments)

@@ -29,8 +29,10 @@ from typing import Any
 import numpy as np
 
 from lightning_stale.decide.ledger import ResetSchedule
-from lightning_stale.decide.policies import DriftReset
-from lightning_stale.vocab import MOMENTS, build_shortcut, invalid
+from lightning_stale.decide.policies import DriftReset, check_band, check_min_interval
+from lightning_stale.decide.registry import REMEDIES as REMEDY_SHORTCUTS
+from lightning_stale.decide.registry import register_remedy
+from lightning_stale.vocab import MOMENTS, check_moments, invalid
 
 REMEDIES = ("none", "guard", "reset", "stochastic")  # what a remedy chose per parameter, by index
 NONE, GUARD, RESET, STOCHASTIC = range(len(REMEDIES))
@@ -135,11 +137,8 @@ class AutoRemedy(Remedy):
                 f"rounding_noise={self.rounding_noise}, weight_stall={self.weight_stall})")
 
 
-# remedy name -> (remedy class, the monitor arguments it takes -> its constructor's names for them)
-SHORTCUTS: dict[str, tuple[type[Remedy], dict[str, str]]] = {
-    "auto": (AutoRemedy, {"drift_band": "drift_band", "min_interval": "min_interval", "moments": "moments"}),
-}
-REMEDY_NAMES = tuple(SHORTCUTS)
+register_remedy("auto", AutoRemedy, {"drift_band": check_band, "min_interval": check_min_interval,
+                                     "moments": check_moments})
 
 
 def make_remedy(remedy: str | Remedy | None, arguments: Mapping[str, Any]) -> tuple[Remedy | None, set[str]]:
@@ -147,6 +146,7 @@ def make_remedy(remedy: str | Remedy | None, arguments: Mapping[str, Any]) -> tu
     returns it and the arguments used."""
     if remedy is None or isinstance(remedy, Remedy):
         return remedy, set()
-    if remedy not in REMEDY_NAMES:
-        raise invalid("remedy", f"one of {(None, *REMEDY_NAMES)} or a Remedy instance", remedy)
-    return build_shortcut("remedy", remedy, SHORTCUTS, arguments)
+    names = tuple(REMEDY_SHORTCUTS)
+    if remedy not in names:
+        raise invalid("remedy", f"one of {(None, *names)} or a Remedy instance", remedy)
+    return REMEDY_SHORTCUTS[remedy].build("remedy", remedy, arguments)

@@ -7,7 +7,7 @@ logs the monitor's row through the LightningModule logging path at the Trainer's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -53,6 +53,7 @@ class StaleStateCallback(Callback):
         remedy: Literal["auto"] | Remedy | None = None,
         drift_band: float | None = None,
         weights: Literal["off", "stochastic", "compensated"] | None = None,
+        policy_args: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.options = MonitorOptions(
@@ -60,7 +61,7 @@ class StaleStateCallback(Callback):
             sample_size=sample_size, params_per_step=params_per_step, track_every=track_every,
             log_per_param=log_per_param, log_key_prefix=log_key_prefix, strict=strict, seed=seed,
             underflow_guard=underflow_guard, warmup_steps=warmup_steps, v_reset=v_reset, remedy=remedy,
-            drift_band=drift_band, weights=weights,
+            drift_band=drift_band, weights=weights, policy_args=policy_args,
         )
         self.policy = self.options.policy
         self.from_environment = False  # created by the LIGHTNING_STALE entry point (an explicit callback wins)

@@ -10,6 +10,8 @@ changes nothing by itself:
 - ``LIGHTNING_STALE=theory`` / ``adaptive`` / ``drift``: that reset policy;
 - ``LIGHTNING_STALE=periodic:500``: periodic resets every 500 steps;
 - ``LIGHTNING_STALE=auto``: the automatic remedy (``remedy="auto"``);
+- any other registered reset or remedy name (:mod:`lightning_stale.decide.registry`), ``<name>:<n>`` for a policy with
+  one required argument (a positive int, as ``periodic``'s);
 - unset, empty or ``0``: inactive.
 
 A callback passed to the Trainer explicitly wins: the one from the variable then steps aside (with an info line)
@@ -23,6 +25,9 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_stale.decide.registry import POLICIES, REMEDIES
+from lightning_stale.monitor.options import POLICY_ARGUMENTS
+
 ENV_VAR = "LIGHTNING_STALE"
 
 
@@ -33,15 +38,20 @@ def options_from_env() -> dict[str, Any] | None:
         return None
     if spec in ("1", "true", "on", "monitor"):
         return {}
-    if spec in ("theory", "adaptive", "drift"):
-        return {"reset": spec}
-    if spec == "auto":
-        return {"remedy": "auto"}
-    name, _, every = spec.partition(":")
-    if name == "periodic" and every.isdigit() and int(every) > 0:
-        return {"reset": "periodic", "every": int(every)}
-    raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not understood; use 1 (monitor), auto, theory, "
-                     "adaptive, drift or periodic:<steps>")
+    name, _, value = spec.partition(":")
+    if name in REMEDIES and not value:
+        return {"remedy": name}
+    required = list(POLICIES[name].required) if name in POLICIES else None
+    if required == [] and not value:
+        return {"reset": name}
+    if required is not None and len(required) == 1 and value.isdigit() and int(value) > 0:
+        if required[0] in POLICY_ARGUMENTS:
+            return {"reset": name, required[0]: int(value)}
+        return {"reset": name, "policy_args": {required[0]: int(value)}}
+    names = [*REMEDIES, *(n for n, s in POLICIES.items() if not s.required),
+             *(f"{n}:<{next(iter(s.required))}>" for n, s in POLICIES.items() if s.required)]
+    raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not understood; use 1 (monitor), "
+                     f"{', '.join(names[:-1])} or {names[-1]}")
 
 
 def callbacks_from_env() -> list[Callback]:

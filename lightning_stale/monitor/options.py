@@ -2,28 +2,29 @@
 
 Frozen, so one object can configure several monitors (the Fabric front-end attaches one per optimizer). The reset
 policy and the remedy are built here from their shortcut names and the arguments that configure them (``every``,
-``s0``, ``min_interval``, ``moments``, ``drift_band``); an argument that nothing chosen uses is an error, not ignored,
-and a policy or remedy *object* carries its own arguments.
+``s0``, ``min_interval``, ``moments``, ``drift_band``, and a registered third-party shortcut's in ``policy_args``; see
+:mod:`lightning_stale.decide.registry`); an argument that nothing chosen uses is an error, not ignored, and a policy or
+remedy *object* carries its own arguments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning_stale.act.weights import WEIGHT_WRITES
 from lightning_stale.decide import policies
+from lightning_stale.decide import registry
 from lightning_stale.decide import remedies
-from lightning_stale.decide.policies import ResetPolicy, check_band, check_min_interval, check_s0
+from lightning_stale.decide.policies import ResetPolicy
 from lightning_stale.decide.remedies import Remedy
 from lightning_stale.monitor import metrics
-from lightning_stale.vocab import check_choice, check_flag, check_int, check_moments, invalid
+from lightning_stale.vocab import check_choice, check_flag, check_int, invalid
 
 TRACK_MODES = ("sample", "exact")
 V_RESETS = ("bounded", "exact-unbounded")
-POLICY_ARGUMENTS = ("every", "s0", "min_interval", "moments", "drift_band")  # configure a shortcut policy or remedy
-_VALIDATORS = {"s0": check_s0, "min_interval": check_min_interval, "drift_band": check_band, "moments": check_moments}
+POLICY_ARGUMENTS = ("every", "s0", "min_interval", "moments", "drift_band")  # the built-in shortcuts' arguments
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class MonitorOptions:
             (default: off, unless ``remedy="auto"`` turns stochastic rounding on where the weights stall).
         drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"`` (default
             1.5).
+        policy_args: arguments of a shortcut registered outside the package (with
+            :func:`~lightning_stale.decide.registry.register_policy` or ``register_remedy``) by name, e.g.
+            ``reset="mine", policy_args={"patience": 3}``; the built-in arguments above are passed as themselves.
     """
 
     reset: str | ResetPolicy | None = None
@@ -95,6 +99,7 @@ class MonitorOptions:
     remedy: str | Remedy | None = None
     drift_band: float | None = None
     weights: str | None = None
+    policy_args: Mapping[str, Any] | None = None
     policy: ResetPolicy | None = field(init=False, repr=False, compare=False)
     remedy_rule: Remedy | None = field(init=False, repr=False, compare=False)
 
@@ -112,9 +117,11 @@ class MonitorOptions:
         check_choice("v_reset", self.v_reset, V_RESETS)
         check_choice("weights", self.weights, (None, *WEIGHT_WRITES))
         given = {name: getattr(self, name) for name in POLICY_ARGUMENTS if getattr(self, name) is not None}
+        given.update(_registered_arguments(self.policy_args))
+        checks = registry.validators()
         for name, value in given.items():  # a bad value fails here, even where it would go unused
-            if name in _VALIDATORS:
-                given[name] = _VALIDATORS[name](value)
+            if checks.get(name) is not None:
+                given[name] = checks[name](value)
         remedy, used_by_remedy = remedies.make_remedy(self.remedy, given)
         if self.remedy is not None and self.reset is not None:
             raise ValueError(f"remedy={self.remedy!r} chooses the resets itself (by drift); drop `reset` "
@@ -143,6 +150,22 @@ def _unused(name: str, reset: object, remedy: object) -> ValueError:
         if isinstance(chosen, (ResetPolicy, Remedy)):
             return ValueError(f"`{name}` configures the reset and remedy shortcuts, not {type(chosen).__name__}: "
                               f"pass it to the object's constructor instead")
-    users = [f"reset={short!r}" for short, (_, taken) in policies.SHORTCUTS.items() if name in taken]
-    users += [f"remedy={short!r}" for short, (_, taken) in remedies.SHORTCUTS.items() if name in taken]
+    users = registry.users(name)
     return ValueError(f"`{name}` is only used with {' or '.join(users)}; pass one of them or drop `{name}`")
+
+
+def _registered_arguments(policy_args: object) -> dict[str, Any]:
+    """``policy_args`` checked: a mapping of arguments that registered shortcuts take and that are not options."""
+    if policy_args is None:
+        return {}
+    if not isinstance(policy_args, Mapping):
+        raise invalid("policy_args", "None or a mapping of argument names to values", policy_args)
+    known = registry.validators()
+    for name in policy_args:
+        if name in POLICY_ARGUMENTS:
+            raise ValueError(f"pass `{name}` as its own option, not in `policy_args`")
+        if name not in known:
+            others = sorted(set(known) - set(POLICY_ARGUMENTS)) or "none"
+            raise ValueError(f"`policy_args` names {name!r}, which no registered reset or remedy takes (theirs: "
+                             f"{others})")
+    return dict(policy_args)
