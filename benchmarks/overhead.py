@@ -23,6 +23,7 @@ state bytes, for the timed models and for ~12M-parameter models (memory only). R
     .venv/bin/python benchmarks/overhead.py --rounds 2 --steps 60 --threads 1
     .venv/bin/python benchmarks/overhead.py --rounds 2 --steps 60 --threads 1 \\
         --tensors 128 160 512 1024 --modes default guard
+    .venv/bin/python benchmarks/overhead.py --precision bf16-true --optimizers "torch AdamW" --modes default weights
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ MODES: dict[str, dict | None] = {
     "exact": {"track": "exact"},
     "theory": {"reset": "theory"},
     "guard": {"underflow_guard": True},  # opt-in: not in the default sweep (--modes default guard)
+    # opt-in, with --precision bf16-true: the weight write-back (its own step hooks count in the step time)
+    "weights": {"weights": "stochastic"},
+    "weights-compensated": {"weights": "compensated"},
 }
 BATCH = 32
 
@@ -191,12 +195,12 @@ def lower_quartile(values: list[float]) -> float:
 
 
 def run(tensors: int, make: Callable, config: dict | None, steps: int, warmup: int, root: str, device: str,
-        total: int = TOTAL_PARAMS) -> dict:
+        total: int = TOTAL_PARAMS, precision: str = "32-true") -> dict:
     timer = StepTimer()
     callback = None if config is None else TimedCallback(**config)
     trainer = L.Trainer(max_steps=steps, default_root_dir=root, logger=L.pytorch.loggers.CSVLogger(root),
                         log_every_n_steps=50, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator=device, devices=1,
+                        enable_model_summary=False, accelerator=device, devices=1, precision=precision,
                         callbacks=[c for c in (callback, timer) if c is not None])
     model = Residual(tensors, make, steps, total)
     trainer.fit(model)
@@ -222,6 +226,8 @@ def main() -> None:
                         help="names from the table (default: all; the QuantizedAdamW fp8 and bf16 ones with guard)")
     parser.add_argument("--modes", nargs="+", default=["default", "exact", "theory"], choices=list(MODES)[1:],
                         help="callback modes besides no callback")
+    parser.add_argument("--precision", default="32-true",
+                        help="the Trainer's precision (bf16-true: bf16 weights, for --modes weights)")
     parser.add_argument("--memory-params", type=int, default=12_000_000,
                         help="total parameters of the memory-only models")
     args = parser.parse_args()
@@ -242,12 +248,13 @@ def main() -> None:
             for tensors in args.tensors:
                 names = ["no callback", *args.modes]
                 for mode in names:  # discarded: first-run allocation and library start-up costs
-                    run(tensors, make, MODES[mode], args.warmup + 6, args.warmup, root, args.device)
+                    run(tensors, make, MODES[mode], args.warmup + 6, args.warmup, root, args.device,
+                        precision=args.precision)
                 results: dict[str, list[dict]] = {m: [] for m in names}
                 for r in range(args.rounds):
                     for mode in names[r % len(names):] + names[:r % len(names)]:
                         results[mode].append(run(tensors, make, MODES[mode], args.steps, args.warmup, root,
-                                                 args.device))
+                                                 args.device, precision=args.precision))
                 base = results["no callback"]
                 ratios = {m: statistics.median(x["step"] / b["step"] for x, b in zip(results[m], base))
                           for m in names[1:]}

@@ -155,8 +155,8 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
             gaps[column] = gap.mean
         lines.append(f"| {column} | {gap} | {gap.n} | {'yes' if gap.significant else 'no'} |")
     lines += ["", "| configuration | change vs its baseline, paired, [95% interval] | significant | recovered | "
-                  "v stall | v underflow | v drift (end) | w stall | resets | auto: guarded, SR, resets, weights |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+                  "vs fp32, paired [95%] | v stall | v underflow | v drift (end) | w stall | resets | "
+                  "auto: guarded, SR, resets, weights |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for column in columns:
         for row in rows:
             name = cell_config(row, column)
@@ -172,6 +172,7 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
             lines.append(
                 f"| {name} | {change} | {'yes' if change.significant else ('no' if change.n > 1 else '-')} | "
                 f"{_fmt(100 * share, '.0f') + ('%' if not math.isnan(share) else '')} | "
+                f"{paired(name, 'fp32') if name != 'fp32' else '-'} | "
                 f"{_fmt(signal(name, 'v_frac'), '.3f')} | {_fmt(signal(name, 'v_underflow'), '.4f')} | "
                 f"{_fmt(signal(name, 'v_drift'), '.2f')} | {_fmt(signal(name, 'w_frac'), '.3f')} | "
                 f"{_fmt(signal(name, 'resets'), '.1f')} | {remedy} |")

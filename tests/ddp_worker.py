@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stale import ResetEvent, StaleStateCallback
-from lightning_stale.monitor.metrics import MOMENTS, PER_MOMENT
+from lightning_stale.monitor.metrics import PER_MOMENT
+from lightning_stale.vocab import QUANTITIES
 from lightning_stale.policies import AdaptiveReset
 
 
@@ -94,7 +95,7 @@ class RecordingCallback(StaleStateCallback):
         self.local: list[list[float]] = []
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.numel() == len(MOMENTS) * PER_MOMENT:  # the metric vector (the adaptive policy's votes too)
+        if tensor.numel() == len(QUANTITIES) * PER_MOMENT:  # the metric vector (the adaptive policy's votes too)
             self.local.append(tensor.tolist())
         return super().reduce_sum(tensor)
 

@@ -21,7 +21,8 @@ import torch
 from ddp_worker import TwoOptimizers
 
 from lightning_stale import StaleStateCallback
-from lightning_stale.monitor.metrics import MOMENTS, PER_MOMENT, V_COUNTED, V_STALLED  # layout of the reduced vector
+from lightning_stale.monitor.metrics import PER_MOMENT, V_COUNTED, V_STALLED  # layout of the reduced vector
+from lightning_stale.vocab import MOMENTS, QUANTITIES
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 # Optimizer steps per rank (global_step); two optimizers step once per batch, so half as many batches.
@@ -48,7 +49,7 @@ def run_worker(tmp_path: Path, reset: str) -> tuple[dict, dict, list[dict[str, s
 
 def local_counts(totals: list[float], moment: str) -> tuple[float, float]:
     """(stalled, counted) of one moment in a rank's local totals vector."""
-    base = PER_MOMENT * MOMENTS.index(moment)
+    base = PER_MOMENT * QUANTITIES.index(moment)
     return totals[base + V_STALLED], totals[base + V_COUNTED]
 
 

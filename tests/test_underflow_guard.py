@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import logged, make_optimizer, trainer_for
-from lightning_stale import StaleStateCallback
+from lightning_stale import StaleStateCallback, StaleStateMonitor
+from lightning_stale.optim import QuantizedAdamW
 from lightning_stale.act.guard import guard_underflow
 from lightning_stale.adapters import adapter_for
 from lightning_stale.adapters.protocol import Slot
@@ -238,3 +239,20 @@ def test_the_guard_falls_back_to_eager_ops_when_compiling_fails(monkeypatch):
     fast = _twin_guarded("bnb", count=False)
     assert guard._fused_failed
     assert all(torch.equal(a, b) for a, b in zip(_twin_guarded("bnb", count=True), fast))
+
+
+def test_guard_does_no_work_where_v_is_fp32():
+    """fp32 v cannot underflow in practice: the guard plans nothing for it (issue 29: its cost on fp32 states)."""
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
+    fp32 = StaleStateMonitor(torch.optim.AdamW(model.parameters(), lr=1e-3), underflow_guard=True)
+    low = QuantizedAdamW(model.parameters(), lr=1e-3, state_format="fp8_e4m3", min_quantized_size=0)
+    fp8 = StaleStateMonitor(low, underflow_guard=True)
+    for opt in (fp32.optimizers[0], low):
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 32)).pow(2).mean().backward()
+            opt.step()
+    assert fp32._tracks[0].interventions._guard_plan is None
+    assert fp8._tracks[0].interventions._guard_plan is not None
+    fp32.close()
+    fp8.close()

@@ -25,6 +25,7 @@ from lightning_stale.decide.remedies import GUARD, GUARD_CHECKS, NONE, RESET, ST
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.monitor.messages import info
 
+UNDERFLOW_FREE = ("fp32", "fp64")  # v formats the guard skips (see Interventions.guard)
 POST_RESET_GUARD_STEPS = 30  # steps after a reset during which the underflow guard protects the reset parameters
 REBIND_REFRESHES = 2  # a reset may replace state now or at the next step: compare slots before and after it
 
@@ -91,12 +92,16 @@ class Interventions:
 
     def guard(self) -> None:
         """Run the underflow guard on every parameter, or on those inside a guard window, through a plan kept while
-        the guarded set and the slots stay."""
+        the guarded set and the slots stay. Parameters whose v is stored in fp32 (or fp64) are left out: there v
+        reads zero only where ``(1 - b2) * g**2`` is below 1e-45, so the guard would only cost time."""
         if self.underflow_guard:
             units = self.schedule.units
         elif self.schedule.guarding:
             units = self.schedule.use_guard_step()
         else:
+            return
+        units = [u for u in units if any(s.moment == "v" and s.format not in UNDERFLOW_FREE for s in u.slots)]
+        if not units:
             return
         key = (self.engine.version, tuple(u.position for u in units))
         if self._guard_plan is None or self._guard_plan[0] != key:
