@@ -100,7 +100,7 @@ class StallEngine:
         slots = sorted(self.adapter.slots(), key=lambda s: position[id(s.param)])
         if unchanged:
             self._watch -= 1
-            if _layout(slots) == _layout(e.slot for e in self.entries.values()):
+            if _layout(slots) == _layout(e.slot for e in self.entries.values() if e.moment != WEIGHT):
                 return False
         units: dict[int, Unit] = {}
         entries: dict[str, Entry] = {}
