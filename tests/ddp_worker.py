@@ -112,6 +112,10 @@ def main(out: Path, reset: str, steps: int) -> None:
         # Per-rank samples see different underflow; only the agreed readings keep the guards (and m) identical.
         callback = RecordingCallback(remedy="auto", sample_size=512, seed=rank)
         model = TwoOptimizers(beta2=0.999)
+    elif reset == "weights":
+        # bf16 weights, per-rank samples: the write-back's stochastic rounding must not depend on the rank.
+        callback = RecordingCallback(weights="stochastic", sample_size=512, seed=rank)
+        model = TwoOptimizers(beta2=0.999)
     else:
         # Theory resets need rho-hat >= 1: b2 = 0.995 (at 0.985 the settled 8-bit map has rho-hat
         # 0.66 and never resets); periods come out near 245 (8-bit map) and 145 (fp8) optimizer steps.
@@ -126,6 +130,7 @@ def main(out: Path, reset: str, steps: int) -> None:
     callback.add_reset_listener(on_reset)
     trainer = L.Trainer(
         strategy="ddp", devices=2, accelerator="cpu", max_steps=steps, default_root_dir=out,
+        precision="bf16-true" if reset == "weights" else "32-true",
         logger=CSVLogger(out, name="csv", version=0), log_every_n_steps=1, callbacks=[callback],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )

@@ -26,7 +26,7 @@ from lightning_stale.vocab import MOMENTS, QUANTITIES
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 # Optimizer steps per rank (global_step); two optimizers step once per batch, so half as many batches.
-STEPS = {"adaptive": 60, "theory": 520, "auto": 60}
+STEPS = {"adaptive": 60, "theory": 520, "auto": 60, "weights": 40}
 
 
 def run_worker(tmp_path: Path, reset: str) -> tuple[dict, dict, list[dict[str, str]]]:
@@ -146,3 +146,15 @@ def test_unsupported_sharded_setups_are_refused_with_a_clear_message(strategy, s
     refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
     assert refused, f"the fit was not refused:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert says in refused[0]
+
+
+@pytest.mark.slow
+def test_ddp_weight_write_back_writes_the_same_weights_on_every_rank(tmp_path):
+    """bf16-true DDP with ``weights="stochastic"`` and per-rank sample seeds: the rounding noise is keyed by step and
+    parameter, not by rank, so both ranks keep bit-identical weights and states."""
+    rank0, rank1, rows = run_worker(tmp_path, "weights")
+    assert rank0["final_params"] == rank1["final_params"]
+    assert rank0["final_state"] == rank1["final_state"]
+    taken = [float(r["stale/remedy/weights"]) for r in rows if r.get("stale/remedy/weights")]
+    assert taken and taken[-1] == 4.0  # both Linear layers' weights and biases
+    assert any(r.get("stale/w/frac") for r in rows)

@@ -211,6 +211,13 @@ class WeightWriteBack:
         if self._chosen is not None:
             self._chosen |= {id(p) for p in params}
 
+    def real_lr(self, group: dict[str, Any]) -> Any:
+        """The group's learning rate, also while a step runs with it zeroed (readers inside the step hooks)."""
+        for saved_group, lr in self._saved_lrs or ():
+            if saved_group is group:
+                return lr
+        return group["lr"]
+
     def takes_over(self, param: Tensor) -> bool:
         """Whether the write-back takes over ``param``'s write (once it is stored below fp32)."""
         return self._chosen is None or id(param) in self._chosen

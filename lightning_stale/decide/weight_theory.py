@@ -28,7 +28,8 @@ def past_threshold(slot: Slot, sample: Sample, lr: float) -> Tensor:
     """(elements whose half grid gap exceeds ``lr``, elements) among the sampled weights, a float64 2-vector: the
     share whose Adam update of about lr rounds away with nearest rounding."""
     _, gap = _sampled(slot, sample)
-    return torch.stack([(gap > 2 * lr).sum().double(), torch.tensor(float(gap.numel()), device=gap.device)])
+    return torch.stack([(gap > 2 * lr).sum().double(), torch.tensor(float(gap.numel()), dtype=torch.float64,
+                                                                  device=gap.device)])
 
 
 def stop_lr(slot: Slot, sample: Sample) -> Tensor:

@@ -88,7 +88,7 @@ class Fp4Format(StateFormat):
     def empty(self, shape: torch.Size | tuple[int, ...]) -> QuantizedState:
         shape = torch.Size(shape)
         packed = torch.zeros((shape.numel() + 1) // 2, dtype=torch.uint8)
-        return QuantizedState(packed, torch.zeros(num_blocks(shape.numel(), BLOCK_SIZE)), shape)
+        return QuantizedState(packed, torch.zeros(num_blocks(shape.numel(), BLOCK_SIZE), dtype=torch.float32), shape)
 
     def bytes_per_element(self, numel: int) -> float:
         return ((numel + 1) // 2 + 4.0 * num_blocks(numel, BLOCK_SIZE)) / max(numel, 1)

@@ -92,7 +92,7 @@ class Int8DynamicFormat(StateFormat):
     def empty(self, shape: torch.Size | tuple[int, ...]) -> QuantizedState:
         shape = torch.Size(shape)
         codes = torch.full(shape, self.zero_code(), dtype=torch.uint8)
-        return QuantizedState(codes, torch.zeros(num_blocks(shape.numel(), BLOCK_SIZE)), shape)
+        return QuantizedState(codes, torch.zeros(num_blocks(shape.numel(), BLOCK_SIZE), dtype=torch.float32), shape)
 
     def bytes_per_element(self, numel: int) -> float:
         return 1.0 + 4.0 * num_blocks(numel, BLOCK_SIZE) / max(numel, 1)

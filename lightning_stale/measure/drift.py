@@ -72,8 +72,8 @@ class DriftPanel:
             samples = [u.sample.prefix(DRIFT_SAMPLE) for u in members]
             lengths = [s.numel for s in samples]
             shadow = Shadow(members, samples, [m == "v" for m, _ in layout],
-                            torch.tensor([[1.0 - b] for _, b in layout], device=device),
-                            torch.zeros(len(layout), sum(lengths), device=device),
+                            torch.tensor([[1.0 - b] for _, b in layout], dtype=torch.float32, device=device),
+                            torch.zeros(len(layout), sum(lengths), dtype=torch.float32, device=device),
                             [int(x) for x in np.cumsum([0] + lengths[:-1])])
             self._shadows.append(shadow)
             for i, unit in enumerate(members):

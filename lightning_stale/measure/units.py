@@ -44,7 +44,7 @@ class Unit:
             key = (sample, self.param.device)
             if key not in placeholders:
                 shape = sample.view(torch.empty(self.numel, device="meta")).shape
-                placeholders[key] = torch.full(shape, math.nan, device=self.param.device)
+                placeholders[key] = torch.full(shape, math.nan, dtype=torch.float32, device=self.param.device)
             return placeholders[key]
         return sample.view(grad)
 

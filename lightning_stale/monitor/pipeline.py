@@ -199,7 +199,8 @@ class OptimizerTrack:
         units = [u for u in self.schedule.units if any(s.moment == WEIGHT for s in u.slots)]
         if not units:
             return
-        lr_of = {id(p): float(g["lr"]) for g in self.optimizer.param_groups for p in g["params"]}
+        lr_of = {id(p): float(self.writeback.real_lr(g) if self.writeback is not None else g["lr"])
+                 for g in self.optimizer.param_groups for p in g["params"]}
         slots = [next(s for s in u.slots if s.moment == WEIGHT) for u in units]
         samples = [self.engine.units[u.position].sample for u in units]
         past = self.collective.sum(to_host([weight_theory.past_threshold(s, sample, lr_of[id(u.param)])
