@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_stale.vocab import invalid
+
 Validator = Callable[[Any], Any]  # returns the checked value (normalized), raises ValueError naming the argument
 
 
@@ -59,6 +61,18 @@ def _register(table: dict[str, Shortcut], name: str, shortcut: Shortcut) -> None
             raise ValueError(f"`{argument}` is already checked by {known[argument].__name__}; register {name!r} with "
                              "that validator (or None) so one value means the same to every shortcut")
     table[name] = shortcut
+
+
+def make(argument: str, value: Any, table: Mapping[str, Shortcut], base: type, allowed: str,
+         given: Mapping[str, Any]) -> tuple[Any, set[str]]:
+    """The object a front-end's ``argument`` (``reset``, ``remedy``) stands for: ``value`` itself when it is None or an
+    instance of ``base``, else the registered shortcut built from the ``given`` arguments it takes (and their names);
+    a ValueError naming the argument and ``allowed`` otherwise."""
+    if value is None or isinstance(value, base):
+        return value, set()
+    if value not in table:
+        raise invalid(argument, allowed, value)
+    return table[value].build(argument, value, given)
 
 
 def validators() -> dict[str, Validator | None]:

@@ -31,8 +31,8 @@ import numpy as np
 from lightning_stale.decide.ledger import ResetSchedule
 from lightning_stale.decide.policies import DriftReset, check_band, check_min_interval
 from lightning_stale.decide.registry import REMEDIES as REMEDY_SHORTCUTS
-from lightning_stale.decide.registry import register_remedy
-from lightning_stale.vocab import MOMENTS, check_moments, invalid
+from lightning_stale.decide.registry import make, register_remedy
+from lightning_stale.vocab import MOMENTS, check_moments
 
 REMEDIES = ("none", "guard", "reset", "stochastic")  # what a remedy chose per parameter, by index
 NONE, GUARD, RESET, STOCHASTIC = range(len(REMEDIES))
@@ -144,9 +144,5 @@ register_remedy("auto", AutoRemedy, {"drift_band": check_band, "min_interval": c
 def make_remedy(remedy: str | Remedy | None, arguments: Mapping[str, Any]) -> tuple[Remedy | None, set[str]]:
     """Turn the front-ends' ``remedy`` into a remedy object (``None``: none) from the arguments the user passed;
     returns it and the arguments used."""
-    if remedy is None or isinstance(remedy, Remedy):
-        return remedy, set()
-    names = tuple(REMEDY_SHORTCUTS)
-    if remedy not in names:
-        raise invalid("remedy", f"one of {(None, *names)} or a Remedy instance", remedy)
-    return REMEDY_SHORTCUTS[remedy].build("remedy", remedy, arguments)
+    return make("remedy", remedy, REMEDY_SHORTCUTS, Remedy,
+                f"one of {(None, *REMEDY_SHORTCUTS)} or a Remedy instance", arguments)
