@@ -35,7 +35,7 @@ def past_threshold(slot: Slot, sample: Sample, lr: float) -> Tensor:
 def stop_lr(slot: Slot, sample: Sample) -> Tensor:
     """The learning rate below which the median sampled weight stops moving (its half grid gap), on the device."""
     _, gap = _sampled(slot, sample)
-    return gap.median() / 2
+    return gap.median() / 2 if gap.numel() else torch.tensor(float("nan"), device=gap.device)
 
 
 @torch.no_grad()

@@ -60,7 +60,8 @@ def weight_report(formats: list[str], past: list[float], stop_lrs: list[float], 
     for fmt in dict.fromkeys(formats):
         rows = [i for i, f in enumerate(formats) if f == fmt]
         share = sum(past[i] for i in rows) / len(rows)
-        stop = sorted(stop_lrs[i] for i in rows)[len(rows) // 2]
+        known = sorted(stop_lrs[i] for i in rows if stop_lrs[i] == stop_lrs[i])  # nan: an empty shard here
+        stop = known[len(known) // 2] if known else float("nan")
         lines.append(f"[lightning_stale] {fmt} weights ({len(rows)} parameter(s)): at lr {lr:.3g} {share:.0%} of "
                      f"their elements are past the threshold where an update of about lr rounds away (nearest "
                      f"rounding); a parameter's median weight stops moving below lr {stop:.3g} (median over "
