@@ -144,3 +144,41 @@ def test_trainer_bf16_true_logs_weight_stall_and_writes_weights():
     metrics = trainer.callback_metrics
     assert 0.0 <= float(metrics["stale/w/frac"]) <= 1.0 and float(metrics["stale/remedy/weights"]) == 4.0
     assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-4  # the real lr outside the step
+
+
+def test_trainer_resume_with_compensated_weights_equals_the_uninterrupted_run(tmp_path):
+    """bf16-true with ``weights="compensated"``: the compensation buffers travel in the Trainer checkpoint (the
+    callback's state), so a run resumed at step 6 ends with the uninterrupted run's weights, bit for bit."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class ByIndex(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model(torch.float32)
+            gen = torch.Generator().manual_seed(3)
+            self.x = torch.randn(12, 16, 64, generator=gen)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(self.x[batch_idx].to(self.dtype)).float().pow(2).mean()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(12)), batch_size=None)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, weight_decay=0.1)
+
+    def fit(root, ckpt_path=None, save=False):
+        model = ByIndex()
+        callbacks = [StaleStateCallback(weights="compensated")]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1))
+        trainer = pl.Trainer(accelerator="cpu", precision="bf16-true", max_steps=12, log_every_n_steps=4,
+                             logger=False, enable_checkpointing=save, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=callbacks, default_root_dir=root)
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return model
+
+    full = fit(tmp_path / "full", save=True)
+    resumed = fit(tmp_path / "resumed", ckpt_path=tmp_path / "full" / "ckpt" / "epoch=0-step=6.ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters()))
