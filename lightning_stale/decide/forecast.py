@@ -169,9 +169,9 @@ class StallForecast:
         self.sums, self._keys, self.pending = np.zeros((0, 2)), [], set()
 
 
-def to_host(sums: list[torch.Tensor]) -> np.ndarray:
-    """(n, 2) float64 on the host from 2-vectors on any devices: one read per device."""
-    out = np.zeros((len(sums), 2))
+def to_host(sums: list[torch.Tensor], width: int = 2) -> np.ndarray:
+    """(n, width) float64 on the host from ``width``-vectors on any devices: one read per device."""
+    out = np.zeros((len(sums), width))
     for device in {t.device for t in sums}:
         rows = [i for i, t in enumerate(sums) if t.device == device]
         out[rows] = torch.stack([sums[i] for i in rows]).cpu().numpy()

@@ -24,18 +24,14 @@ def _sampled(slot: Slot, sample: Sample) -> tuple[Tensor, Tensor]:
     return slot.value_at(index), slot.spacing_at(index)
 
 
-def past_threshold(slot: Slot, sample: Sample, lr: float) -> Tensor:
-    """(elements whose half grid gap exceeds ``lr``, elements) among the sampled weights, a float64 2-vector: the
-    share whose Adam update of about lr rounds away with nearest rounding."""
+def threshold(slot: Slot, sample: Sample, lr: float) -> Tensor:
+    """(elements whose half grid gap exceeds ``lr``, elements, the median half gap) of the sampled weights, a
+    float64 3-vector on the device: the first two give the share whose Adam update of about lr rounds away with
+    nearest rounding, the last the lr below which the median weight stops moving (nan for an empty shard)."""
     _, gap = _sampled(slot, sample)
-    return torch.stack([(gap > 2 * lr).sum().double(), torch.tensor(float(gap.numel()), dtype=torch.float64,
-                                                                  device=gap.device)])
-
-
-def stop_lr(slot: Slot, sample: Sample) -> Tensor:
-    """The learning rate below which the median sampled weight stops moving (its half grid gap), on the device."""
-    _, gap = _sampled(slot, sample)
-    return gap.median() / 2 if gap.numel() else torch.tensor(float("nan"), device=gap.device)
+    half = gap.double() / 2
+    stop = half.median() if half.numel() else torch.tensor(float("nan"), dtype=torch.float64, device=half.device)
+    return torch.stack([(half > lr).sum().double(), half.new_tensor(float(half.numel())), stop])
 
 
 @torch.no_grad()
@@ -63,4 +59,4 @@ def predicted_stall(weight: Slot, m: Slot, v: Slot, sample: Sample, group: dict[
     return torch.stack([torch.where(keep, stalls, 0.0).sum().double(), keep.sum().double()])
 
 
-__all__ = ["past_threshold", "predicted_stall", "stop_lr"]
+__all__ = ["predicted_stall", "threshold"]

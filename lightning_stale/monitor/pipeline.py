@@ -203,11 +203,11 @@ class OptimizerTrack:
                  for g in self.optimizer.param_groups for p in g["params"]}
         slots = [next(s for s in u.slots if s.moment == WEIGHT) for u in units]
         samples = [self.engine.units[u.position].sample for u in units]
-        past = self.collective.sum(to_host([weight_theory.past_threshold(s, sample, lr_of[id(u.param)])
-                                            for s, sample, u in zip(slots, samples, units)]).reshape(-1))
-        past = past.reshape(-1, 2)
+        readings = to_host([weight_theory.threshold(s, sample, lr_of[id(u.param)])
+                            for s, sample, u in zip(slots, samples, units)], width=3)
+        past = self.collective.sum(readings[:, :2].reshape(-1)).reshape(-1, 2)  # agreed: decisions rest on it
         share = np.where(past[:, 1] > 0, past[:, 0] / np.maximum(past[:, 1], 1.0), np.nan)
-        stop = [float(weight_theory.stop_lr(s, sample)) for s, sample in zip(slots, samples)]
+        stop = readings[:, 2].tolist()  # this rank's, for the report only
         lr = lr_of[id(units[0].param)]
         info(weight_report([s.format for s in slots], share.tolist(), stop, lr))
         if self.auto_weights:
