@@ -1,8 +1,11 @@
 """A Fabric loop with StaleStateFabricCallback that saves with ``fabric.save`` and continues, or loads and continues;
 writes its weights, reset steps and logged rows. Run as a fresh process for each part:
 
-    python tests/fabric_resume_worker.py OUT_DIR full        # steps 1..TOTAL, saves at SAVE_AT
-    python tests/fabric_resume_worker.py OUT_DIR resumed     # loads OUT_DIR/ckpt (from `full`), steps SAVE_AT+1..TOTAL
+    python tests/fabric_resume_worker.py OUT_DIR full [KIND]     # steps 1..TOTAL, saves at SAVE_AT
+    python tests/fabric_resume_worker.py OUT_DIR resumed [KIND]  # loads OUT_DIR/ckpt (from `full`), SAVE_AT+1..TOTAL
+
+KIND: ``bnb`` (default; bitsandbytes AdamW8bit, fp32 weights) or ``bf16`` (a bf16-true model under torch AdamW with
+``weights="compensated"``).
 """
 
 from __future__ import annotations
@@ -39,13 +42,20 @@ class Rows(Logger):
         pass
 
 
-def main(out: Path, part: str) -> None:
-    callback = StaleStateFabricCallback(log_every_n_steps=LOG_EVERY, reset="periodic", every=10, warmup_steps=3)
+def main(out: Path, part: str, kind: str = "bnb") -> None:
+    bf16 = kind == "bf16"
+    callback = StaleStateFabricCallback(log_every_n_steps=LOG_EVERY, reset="periodic", every=10, warmup_steps=3,
+                                        weights="compensated" if bf16 else None)
     logger = Rows()
-    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[callback], loggers=logger)
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[callback], loggers=logger,
+                      precision="bf16-true" if bf16 else "32-true")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8))
-    optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=256)
+    with fabric.init_module():
+        model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 8))
+    if bf16:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=256)
     model, optimizer = fabric.setup(model, optimizer)
     state = {"model": model, "optimizer": optimizer, "stale": callback}
     start = 0
@@ -55,7 +65,7 @@ def main(out: Path, part: str) -> None:
     resets: list[int] = []
     for step in range(start + 1, TOTAL + 1):
         g = torch.Generator().manual_seed(step)
-        x = torch.randn(16, 32, generator=g)
+        x = torch.randn(16, 32, generator=g).to(next(model.parameters()).dtype)
         fabric.backward(nn.functional.mse_loss(model(x), x[:, :8]))
         optimizer.step()
         optimizer.zero_grad()
@@ -65,8 +75,10 @@ def main(out: Path, part: str) -> None:
         if part == "full" and step == SAVE_AT:
             fabric.save(out / "ckpt", state)
     torch.save([p.detach().clone() for p in model.parameters()], out / f"{part}_weights.pt")
-    (out / f"{part}.json").write_text(json.dumps({"resets": resets, "rows": logger.rows}))
+    monitor = next(iter(callback.monitors.values()))
+    (out / f"{part}.json").write_text(json.dumps({"resets": resets, "rows": logger.rows,
+                                                  "compensation_bytes": monitor.resident_bytes()}))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2], *sys.argv[3:4])

@@ -41,6 +41,8 @@ def hf_run(out: Path, kind: str, with_callback: bool = True, resume: str | None 
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=8, logging_steps=2, report_to=[],
         use_cpu=True, save_strategy="steps", save_steps=SAVE_EVERY, disable_tqdm=True, seed=0,
         optim="adamw_bnb_8bit" if kind == "bnb" else "adamw_torch", learning_rate=3e-3)
+    if kind == "bf16":  # bf16 weights, gradients and torch AdamW states: the weight write-back's set-up
+        model = model.to(torch.bfloat16)
     optimizers = (None, None)
     if kind == "fp8":
         optimizers = (QuantizedAdamW(model.parameters(), lr=3e-3, state_format="fp8_e4m3", min_quantized_size=256,
@@ -48,7 +50,8 @@ def hf_run(out: Path, kind: str, with_callback: bool = True, resume: str | None 
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers)
     events = None
     if with_callback:
-        options = {"reset": "periodic", "every": 7} if kind == "bnb" else {"remedy": "auto"}
+        options = {"bnb": {"reset": "periodic", "every": 7}, "bf16": {"weights": "stochastic", "reset": "periodic",
+                                                                      "every": 7}}.get(kind, {"remedy": "auto"})
         stale = add_stale_callback(trainer, **options)
         events = Events(stale)
         trainer.add_callback(events)
@@ -58,7 +61,7 @@ def hf_run(out: Path, kind: str, with_callback: bool = True, resume: str | None 
     return [p.detach().clone() for p in model.parameters()], events.steps if events else None, rows
 
 
-@pytest.mark.parametrize("kind", ["bnb", "fp8"])
+@pytest.mark.parametrize("kind", ["bnb", "fp8", "bf16"])
 def test_hugging_face_resume_continues_the_callback_exactly(tmp_path, kind):
     weights, resets, rows = hf_run(tmp_path / "full", kind)
     assert resets or rows[-1].get("stale/remedy/guard", 0) > 0  # the run has something to resume
@@ -77,13 +80,25 @@ def test_hugging_face_resume_continues_the_callback_exactly(tmp_path, kind):
         assert all(torch.equal(a, b) for a, b in zip(plain_resumed, plain_weights))  # HF's own resume is exact
 
 
-def test_fabric_resume_in_a_new_process_equals_the_uninterrupted_run(tmp_path):
+def test_hugging_face_refuses_compensated_weights_it_could_only_save_as_json():
+    with pytest.raises(ValueError, match="weights='compensated'.*trainer_state.json"):
+        from lightning_stale.hf import StaleStateHFCallback
+
+        StaleStateHFCallback(weights="compensated")
+
+
+@pytest.mark.parametrize("kind", ["bnb", "bf16"])
+def test_fabric_resume_in_a_new_process_equals_the_uninterrupted_run(tmp_path, kind):
+    """bnb: 8-bit states with periodic resets; bf16: a bf16-true model whose weights the compensated write-back
+    writes (its buffers travel in ``fabric.save``; without them the resumed weights differ)."""
     worker = Path(__file__).with_name("fabric_resume_worker.py")
     for part in ("full", "resumed"):
-        subprocess.run([sys.executable, str(worker), str(tmp_path), part], check=True, timeout=300)
+        subprocess.run([sys.executable, str(worker), str(tmp_path), part, kind], check=True, timeout=300)
     full = json.loads((tmp_path / "full.json").read_text())
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     assert full["resets"] == [10, 20, 30, 40]
+    if kind == "bf16":
+        assert full["rows"][-1]["stale/remedy/weights"] > 0 and full["compensation_bytes"] > 0
     assert resumed["resets"] == [40]  # the optimizer's step count, not the loop's first resumed step
     assert resumed["rows"] == [row for row in full["rows"] if row["step"] > 30]  # stale/resets included
     for ours, theirs in zip(torch.load(tmp_path / "resumed_weights.pt"), torch.load(tmp_path / "full_weights.pt")):

@@ -10,6 +10,9 @@ reporters, so use :func:`add_stale_callback` (it puts the callback first) to rea
     add_stale_callback(trainer, reset="theory")
     trainer.train()                                   # or trainer.train(resume_from_checkpoint=...)
 
+``weights="compensated"`` is refused here (its buffers, 2 bytes per bf16 parameter, would go into the JSON file
+below); ``weights="stochastic"`` and ``remedy="auto"`` keep no such state.
+
 Checkpoints: the callback is an ``ExportableState``, so every checkpoint's ``trainer_state.json`` holds the monitor's
 state (``stateful_callbacks``), and ``train(resume_from_checkpoint=...)`` continues its reset schedule, ages, counters
 and remedy choices before the first resumed step. It restores itself from there; keep transformers'
@@ -36,6 +39,14 @@ class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
 
     def __init__(self, **options: Any) -> None:
         self.options = MonitorOptions.from_arguments(type(self).__name__, options)
+        if self.options.weights == "compensated":
+            # Hugging Face keeps callback state only in trainer_state.json: 2 bytes per parameter of compensation
+            # buffers would be written there as JSON numbers at every checkpoint, and a resume without them is not
+            # the same run.
+            raise ValueError("StaleStateHFCallback: weights='compensated' keeps a buffer per bf16 parameter that the "
+                             "Hugging Face Trainer can only checkpoint as JSON in trainer_state.json; use "
+                             "weights='stochastic' (no state; what remedy='auto' uses), 'off' or None here, or the "
+                             "Lightning/Fabric front-ends, which save the buffers with the checkpoint")
         self.arguments = options
         self.monitor: StaleStateMonitor | None = None
         self.saved_state: dict[str, Any] | None = None  # a checkpoint's monitor state (JSON form) to start from
