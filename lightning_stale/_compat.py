@@ -127,6 +127,24 @@ def local_tensor(tensor: Any) -> Any:
     return tensor
 
 
+def shard_flat_start(tensor: Any) -> int:
+    """Flat position, in the whole tensor, of the first element of this process's ``DTensor`` shard (0 for a plain or
+    replicated tensor): an FSDP2 dim-0 shard's elements are the whole tensor's from there on. Reads torch's private
+    ``compute_local_shape_and_global_offset``; 0 where it is missing or fails."""
+    if _DTENSOR is None or not isinstance(tensor, _DTENSOR):
+        return 0
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    except Exception:  # noqa: BLE001 - a moved private helper: every shard starts its noise at 0
+        return 0
+    strides = [1] * tensor.dim()
+    for d in range(tensor.dim() - 2, -1, -1):
+        strides[d] = strides[d + 1] * tensor.shape[d + 1]
+    return sum(int(o) * s for o, s in zip(offset, strides))
+
+
 def unwrap_lightning_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper (its private ``_optimizer``; the public
     ``.optimizer`` property where that is gone), else ``optimizer`` itself."""

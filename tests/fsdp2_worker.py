@@ -3,8 +3,9 @@ rank writes what it saw to a JSON file. Run by ``tests/test_fsdp2.py``:
 
     python tests/fsdp2_worker.py OUT_DIR KIND STEPS [RESUME_CKPT]
 
-KIND is ``torch`` (torch.optim.AdamW on bf16 parameters: DTensor bf16 states) or ``torchao`` (torchao AdamW8bit:
-DTensor-wrapped 8-bit states). Every layer has an even number of rows, so the shards are even (torchao's compiled step
+KIND is ``torch`` (torch.optim.AdamW on bf16 parameters: DTensor bf16 states), ``torch-wsr``/``torch-wkahan`` (the
+same with ``weights="stochastic"``/``"compensated"``) or ``torchao`` (torchao AdamW8bit: DTensor-wrapped 8-bit
+states). Every layer has an even number of rows, so the shards are even (torchao's compiled step
 fails on uneven shards with torch 2.13). Each rank records, per optimizer step, an independent count over its own
 shards of the second-moment codes left unchanged where the gradient is finite and non-zero, the reset steps, the
 periods, and a hash of every optimizer-state shard.
@@ -27,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stale import StaleStateCallback
+from lightning_stale._compat import shard_flat_start
 
 BETAS = (0.9, 0.985)
 
@@ -74,7 +76,7 @@ class Sharded(L.LightningModule):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        if self.kind == "torch":
+        if self.kind.startswith("torch"):
             self.net.bfloat16()
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
@@ -93,7 +95,7 @@ class Sharded(L.LightningModule):
         return DataLoader(TensorDataset(torch.arange(1024)), batch_size=None)
 
     def configure_optimizers(self):
-        if self.kind == "torch":
+        if self.kind.startswith("torch"):
             opt = torch.optim.AdamW(self.parameters(), lr=1e-3, betas=BETAS)
         else:
             from torchao.optim import AdamW8bit
@@ -116,7 +118,8 @@ def state_hashes(optimizer) -> dict[str, str]:
 
 def main(out: Path, kind: str, steps: int, resume: str | None) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    callback = StaleStateCallback(track="exact", reset="periodic", every=6, seed=rank)
+    weights = {"torch-wsr": "stochastic", "torch-wkahan": "compensated"}.get(kind)
+    callback = StaleStateCallback(track="exact", reset="periodic", every=6, seed=rank, weights=weights)
     resets: list[dict] = []
     callback.add_reset_listener(lambda event: resets.append({"step": event.step, "state": state_hashes(event.optimizer)}))
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=4, save_top_k=-1)
@@ -127,8 +130,12 @@ def main(out: Path, kind: str, steps: int, resume: str | None) -> None:
     )
     model = Sharded(kind)
     trainer.fit(model, ckpt_path=resume)
+    params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
     result = {
         "rank": trainer.global_rank,
+        "weights": hashlib.sha256(b"".join(codes(p).numpy().tobytes() for p in params)).hexdigest()[:16],
+        "shard_starts": [shard_flat_start(p) for p in params],
+        "shard_sizes": [local(p).numel() for p in params],
         "probe": model.probe.steps,
         "resets": resets,
         "periods": callback.reset_periods(),

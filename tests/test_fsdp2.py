@@ -18,13 +18,16 @@ WORKER = Path(__file__).with_name("fsdp2_worker.py")
 STEPS, LOG_EVERY = 14, 3
 
 
-def launch(out: Path, kind: str, resume: Path | None = None) -> tuple[dict, dict]:
+def launch(out: Path, kind: str, resume: Path | None = None, expect_failure: bool = False) -> tuple[dict, dict] | str:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
     command = [sys.executable, str(WORKER), str(out), kind, str(STEPS)] + ([str(resume)] if resume else [])
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     prefix = "resumed" if resume else "full"
     files = [out / f"{prefix}-rank{r}.json" for r in (0, 1)]
+    if expect_failure:
+        assert proc.returncode != 0
+        return proc.stderr
     if not all(f.exists() for f in files):
         pytest.fail(f"FSDP2 worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return tuple(json.loads(f.read_text()) for f in files)
@@ -65,3 +68,28 @@ def test_fsdp2_resume_mid_cycle_is_exact(tmp_path):
     # rank are not in rank 0's checkpoint); every later row equals the uninterrupted run's.
     later = sorted(after)[1:]
     assert later and all(after[s] == pytest.approx(before[s], rel=1e-9) for s in later)
+
+
+@pytest.mark.slow
+def test_fsdp2_weight_write_back_writes_each_shard_and_resumes_exactly(tmp_path):
+    """``weights="stochastic"`` on FSDP2 bf16 shards: each rank writes its own shard (noise keyed by the element's
+    place in the whole parameter: rank 1's shards start where rank 0's end), the weights differ from nearest
+    rounding's, and a resume mid-run ends on bit-identical shards."""
+    nearest = launch(tmp_path / "nearest", "torch")
+    full = launch(tmp_path, "torch-wsr")
+    resumed = launch(tmp_path, "torch-wsr", resume=tmp_path / "ckpt" / "epoch=0-step=8.ckpt")
+    rank0, rank1 = full
+    assert rank0["shard_starts"] == [0] * len(rank0["shard_sizes"])
+    assert rank1["shard_starts"] == rank0["shard_sizes"]  # even dim-0 shards: rank 1's start after rank 0's
+    for n, f, r in zip(nearest, full, resumed):
+        assert f["weights"] != n["weights"]  # the write-back wrote these shards
+        assert r["weights"] == f["weights"] and r["final_state"] == f["final_state"]
+    weights_taken = [row for row in csv.DictReader((tmp_path / "csv" / "version_0" / "metrics.csv").open())
+                     if row.get("stale/remedy/weights")]
+    assert weights_taken and all(float(row["stale/remedy/weights"]) == 6 for row in weights_taken)
+
+
+@pytest.mark.slow
+def test_fsdp2_refuses_compensated_weights_whose_buffers_rank_zero_alone_would_save(tmp_path):
+    stderr = launch(tmp_path, "torch-wkahan", expect_failure=True)
+    assert "rounding='compensated' is not supported on sharded (DTensor, FSDP2) parameters" in stderr

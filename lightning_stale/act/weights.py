@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lightning_stale._compat import local_tensor, shard_flat_start
 from lightning_stale.formats.base import NOISE_BITS
 from lightning_stale.formats.floats import stochastic_round_float
 
@@ -89,13 +90,15 @@ class _Entry:
     can be read by range)."""
 
     __slots__ = ("index", "param", "moments", "split", "formula", "decay", "step_size", "bc2_sqrt", "eps", "step",
-                 "bound")
+                 "bound", "start")
 
     def __init__(self, index: int, param: Tensor, moments: Moments, split: bool, formula: Formula, decay: float,
-                 step_size: float, bc2_sqrt: float, eps: float, step: int, bound: float | None = None) -> None:
+                 step_size: float, bc2_sqrt: float, eps: float, step: int, bound: float | None = None,
+                 start: int = 0) -> None:
         self.index, self.param, self.moments, self.split, self.formula = index, param, moments, split, formula
         self.decay, self.step_size, self.bc2_sqrt, self.eps, self.step = decay, step_size, bc2_sqrt, eps, step
         self.bound = bound  # |m / denom| limit for moments stored as codes (see _fp32_update), else None
+        self.start = start  # flat position of ``param``'s first element in the whole parameter (a DTensor shard's)
 
 
 def _flat_range(tensor: Tensor, start: int, stop: int) -> Tensor:
@@ -195,6 +198,10 @@ class WeightWriteBack:
                 raise ValueError("params must be parameters of the optimizer")
         if self.family == "bnb":
             self._check_bnb_overrides()
+        if rounding == "compensated" and any(local_tensor(p) is not p for p in self._params()):
+            raise ValueError("rounding='compensated' is not supported on sharded (DTensor, FSDP2) parameters: "
+                             "Lightning's distributed checkpoint saves callback state from rank 0 only, so the other "
+                             "ranks' compensation buffers would be lost on resume; use 'stochastic' (no state)")
         self.compensation: dict[int, Tensor] = {}  # parameter index -> Kahan buffer (parameter dtype)
         self._saved_lrs: list[Any] | None = None
         self._steps_before: dict[int, int] = {}
@@ -326,11 +333,14 @@ class WeightWriteBack:
             beta1, beta2 = group["betas"]
             wd = group["weight_decay"]
             decay = 1 - lr * wd if group.get("decoupled_weight_decay", False) and wd != 0 else 1.0
-            m, v = state["exp_avg"], state["exp_avg_sq"]
+            # FSDP2: the write works on this rank's shards (views of their storage); its noise follows each element's
+            # position in the whole parameter, so no two shards draw alike and replicated ranks draw the same.
+            m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
             split = m.is_contiguous() and v.is_contiguous()
-            return _Entry(index, param, lambda a, b: (_flat_range(m, a, b).float(), _flat_range(v, a, b).float()),
-                          split, "addcdiv", decay, -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, group["eps"],
-                          step)
+            return _Entry(index, local_tensor(param),
+                          lambda a, b: (_flat_range(m, a, b).float(), _flat_range(v, a, b).float()), split, "addcdiv",
+                          decay, -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, group["eps"], step,
+                          start=shard_flat_start(param))
         if self.family == "bnb":
             config = self.optimizer.get_config(*position, group)
             beta1, beta2 = config["betas"][0], config["betas"][1]
@@ -386,7 +396,7 @@ class WeightWriteBack:
         if self.rounding == "nearest":
             torch._foreach_copy_(params, weights)
         elif self.rounding == "stochastic":
-            rounded = [stochastic_round(w, p.dtype, noise_bits(w.numel(), self.seed, e.step, e.index, w.device, a))
+            rounded = [stochastic_round(w, p.dtype, noise_bits(w.numel(), self.seed, e.step, e.index, w.device, e.start + a))
                        for w, p, (e, a, _) in zip(weights, params, batch)]
             torch._foreach_copy_(params, rounded)
         else:
