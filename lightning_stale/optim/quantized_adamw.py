@@ -37,10 +37,6 @@ from lightning_stale.vocab import MOMENTS, Moment, check_choice, check_moments
 _KEYS = {"m": ("exp_avg", "exp_avg_scale", "step_m"), "v": ("exp_avg_sq", "exp_avg_sq_scale", "step_v")}
 _GENERATOR_KEY = "generator_state"
 COMPILE_MIN_NUMEL = 1 << 16  # compile=None compiles the step of parameters at least this large
-# compile=None leaves these to the eager path on CPU with nearest rounding: it is a lookup in 65,536-entry tables,
-# which Inductor does not vectorize, so the eager step (index_select) measured faster (BENCHMARKS.md, optimizer step
-# time); with stochastic rounding the eager noise hash costs more and the compiled step wins.
-TABLE_ROUNDED = frozenset({"int8_dynamic", "fp4"})
 
 
 def _format_names(state_format: object) -> dict[str, str]:
@@ -72,9 +68,10 @@ class QuantizedAdamW(torch.optim.Optimizer):
             analysis; off by default, and not needed by the monitor, which samples the stored codes itself).
         compile: fuse each parameter's step with ``torch.compile`` (Inductor CPU/GPU kernels, a one-off compile of
             ~10-20 s per format pair and rounding); None compiles parameters with at least ``COMPILE_MIN_NUMEL``
-            elements when a C++ compiler is on PATH, except table-rounded formats (int8_dynamic, fp4) with nearest
-            rounding on CPU, whose eager step is faster. Compiled and eager steps give the same codes and the same
-            stochastic-rounding stream (noise hashed from per-step keys drawn from ``seed``'s generator).
+            elements when a C++ compiler is on PATH, except table-rounded formats (``StateFormat.table_rounded``:
+            int8_dynamic, fp4) with nearest rounding on CPU, whose eager step is faster. Compiled and eager steps
+            give the same codes and the same stochastic-rounding stream (noise hashed from per-step keys drawn from
+            ``seed``'s generator).
     """
 
     def __init__(
@@ -263,8 +260,11 @@ class QuantizedAdamW(torch.optim.Optimizer):
         if not (param.is_contiguous() and param.grad.is_contiguous()):
             return False
         if self.compile is None:
+            # Table-rounded formats stay eager on CPU with nearest rounding: the eager step (index_select) measured
+            # faster (BENCHMARKS.md, optimizer step time); with stochastic rounding the eager noise hash costs more
+            # and the compiled step wins.
             table_on_cpu = (param.device.type == "cpu" and rounding == "nearest"
-                            and any(f.name in TABLE_ROUNDED for f in formats))
+                            and any(f.table_rounded for f in formats))
             return param.numel() >= COMPILE_MIN_NUMEL and not table_on_cpu and _compat.compiler_available()
         return self.compile
 
