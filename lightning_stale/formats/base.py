@@ -72,7 +72,8 @@ class StateFormat(ABC):
     adapters that read it never ask for a format by name.
 
     Attributes:
-        name: the name in :data:`FORMAT_NAMES`; the slots, the fit-start report and ``inspect`` show it.
+        name: the name it is registered under (:func:`lightning_stale.formats.register_format`); the slots, the
+            fit-start report and ``inspect`` show it.
         signed: True for first moments (signed values), False for second moments (non-negative values).
         bits: bits of storage per element, scales excluded; 4-bit codes are packed two per byte into a flat tensor.
         block_size: elements sharing one scale, or None (no scale or a single per-tensor scale).

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_stale import _compat
 from lightning_stale.formats import (
-    FORMAT_NAMES,
+    FORMATS,
     QuantizedState,
     StateFormat,
     check_format_name,
@@ -48,7 +48,7 @@ def _format_names(state_format: object) -> dict[str, str]:
             raise ValueError(f"state_format mapping must have exactly the keys 'm' and 'v', got {sorted(state_format)}")
         names = {"m": state_format["m"], "v": state_format["v"]}
     else:
-        raise TypeError(f"state_format must be a name from {FORMAT_NAMES} or a mapping {{'m': name, 'v': name}}")
+        raise TypeError(f"state_format must be a name from {tuple(FORMATS)} or a mapping {{'m': name, 'v': name}}")
     for moment, name in names.items():
         check_format_name(name, f"state_format[{moment!r}]")
     return names
@@ -60,7 +60,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param groups; groups may override ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``state_format``, ``rounding`` and ``min_quantized_size``.
-        state_format: a name from ``FORMAT_NAMES`` for both moments, or ``{"m": name, "v": name}``.
+        state_format: a registered format name (``FORMATS``) for both moments, or ``{"m": name, "v": name}``.
         rounding: ``"nearest"`` or ``"stochastic"`` (the write-back rounding of the stored moments).
         min_quantized_size: parameters with fewer elements keep fp32 moments.
         seed: seed of the optimizer's own generator for stochastic rounding (the global RNG is never used).
