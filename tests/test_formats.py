@@ -119,6 +119,43 @@ def test_empty_state_dequantizes_to_zero_and_code_dtypes(name: str, signed: bool
         assert torch.all(fmt.element_codes(fmt.quantize(torch.zeros(300))) == code)
 
 
+def test_storage_description() -> None:
+    """What the optimizer and the adapters read instead of a format's name: bits, the code table, table rounding."""
+    bits = {name: get_format(name, True).bits for name in FORMAT_NAMES}
+    assert bits == {"fp32": 32, "bf16": 16, "fp16": 16, "fp8_e4m3": 8, "fp4": 4, "int8_dynamic": 8}
+    assert [n for n in FORMAT_NAMES if get_format(n, True).table_rounded] == ["fp4", "int8_dynamic"]
+    assert [n for n in FORMAT_NAMES if get_format(n, True).grid() is not None] == ["fp4", "int8_dynamic"]
+    for signed in (True, False):
+        assert torch.equal(get_format("int8_dynamic", signed).grid(), dynamic_map(signed))
+    assert torch.equal(get_format("fp4", False).grid(), torch.tensor(E2M2_NO_ZERO) / 14.0)
+    assert torch.equal(get_format("fp4", True).grid()[:8], torch.tensor(E2M1_MAGNITUDES) / 6.0)
+
+
+@pytest.mark.parametrize("name,signed", [(n, s) for n, s in VARIANTS if get_format(n, s).grid() is not None])
+def test_grid_formats_store_codes_into_their_grid(name: str, signed: bool) -> None:
+    fmt = get_format(name, signed)
+    x = torch.randn(3 * fmt.block_size + 7)  # an odd count: a partial block and a padded byte
+    q = fmt.quantize(x if signed else x.abs())
+    codes = fmt.element_codes(q)
+    values = fmt.grid()[codes.long()] * q.scale.repeat_interleave(fmt.block_size)[: x.numel()]
+    assert torch.equal(values, fmt.dequantize(q))
+    assert torch.equal(fmt.pack_codes(codes), q.codes)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_round_up_into_bounds_every_value_from_below(name: str) -> None:
+    """The write of a bounded v restart: every stored value at or above its target, no positive target stored as 0."""
+    fmt = get_format(name, False)
+    target = torch.randn(3 * 256 + 7).exp() * 1e-3
+    target[::5] = 0.0
+    q = fmt.quantize(torch.rand(target.shape))
+    codes, scale = q.codes, q.scale
+    fmt.round_up_into(q, target)
+    assert q.codes is codes and q.scale is scale  # in place
+    stored = fmt.dequantize(q)
+    assert torch.all(stored >= target) and torch.all(stored[target > 0] > 0)
+
+
 def test_bytes_per_element() -> None:
     n = 1 << 20
     per_param = {name: get_format(name, True).bytes_per_element(n) + get_format(name, False).bytes_per_element(n)

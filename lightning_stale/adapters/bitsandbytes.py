@@ -20,7 +20,9 @@ from torch import Tensor
 from lightning_stale.adapters import bnb_layout
 from lightning_stale.adapters.bnb_layout import BLOCK, LAYOUTS
 from lightning_stale.adapters.protocol import Moment, SharedStepAdapter, Slot
-from lightning_stale.adapters.restart import restarted_v, round_up_blockwise, round_up_float
+from lightning_stale.adapters.restart import restarted_v
+from lightning_stale.formats.base import round_up_blockwise
+from lightning_stale.formats.floats import round_up_float
 
 
 class BitsAndBytesAdapter(SharedStepAdapter):

@@ -18,38 +18,28 @@ from torch import Tensor
 
 from lightning_stale.adapters.layouts import BlockFp8Slot, BlockQmapSlot, FloatSlot, Packed4bitSlot
 from lightning_stale.adapters.protocol import MOMENTS, Moment, OptimizerAdapter, Slot, resolve_moments
-from lightning_stale.adapters.restart import restarted_v, round_up_blockwise, round_up_float, round_up_fp8_blockwise
+from lightning_stale.adapters.restart import restarted_v
 from lightning_stale.formats import QuantizedState, StateFormat
-from lightning_stale.formats.base import pack_nibbles
-from lightning_stale.formats.int8_dynamic import BLOCK_SIZE as INT8_BLOCK
-from lightning_stale.formats.int8_dynamic import dynamic_map
 from lightning_stale.optim import QuantizedAdamW
 from lightning_stale.vocab import Rounding
 
 KEYS = {"m": "exp_avg", "v": "exp_avg_sq"}
-FP4_BLOCK = 128
-
-
-def fp4_values(fmt: StateFormat) -> Tensor:
-    """The 16 values of the format's 4-bit codes (scale 1), by code."""
-    codes = torch.arange(16, dtype=torch.uint8)
-    return fmt.dequantize(QuantizedState(pack_nibbles(codes), torch.ones(1), torch.Size([16])))
+CODE_LAYOUTS = {8: BlockQmapSlot, 4: Packed4bitSlot}  # codes into a table of values, by bits per code
 
 
 def format_slot(p: Tensor, moment: Moment, beta: float, fmt: StateFormat, q: QuantizedState) -> Slot:
-    """A slot over one stored moment, using the slot layout that matches the format's storage."""
+    """A slot over one stored moment, in the layout that the format's description calls for: codes into its grid
+    (scaled per block, or per tensor), a plain float tensor, or float8 codes times a scale."""
     key = KEYS[moment]
-    if fmt.name == "int8_dynamic":
-        return BlockQmapSlot(p, moment, beta, fmt.name, key, stored=q.codes, scale=q.scale,
-                             qmap=dynamic_map(fmt.signed), block_size=INT8_BLOCK)
-    if fmt.name == "fp4":
-        return Packed4bitSlot(p, moment, beta, fmt.name, key, stored=q.codes, scale=q.scale, qmap=fp4_values(fmt),
-                              block_size=FP4_BLOCK)
-    if fmt.name == "fp8_e4m3":  # one scale for the whole tensor
-        return BlockFp8Slot(p, moment, beta, fmt.name, key, stored=q.codes, scale=q.scale,
-                            block_size=q.codes.numel())
-    if q.scale is None:
+    block_size = fmt.block_size or q.shape.numel()  # elements per scale
+    grid = fmt.grid()
+    if grid is not None and fmt.bits in CODE_LAYOUTS:
+        return CODE_LAYOUTS[fmt.bits](p, moment, beta, fmt.name, key, stored=q.codes, scale=q.scale, qmap=grid,
+                                      block_size=block_size)
+    if grid is None and q.scale is None:
         return FloatSlot(p, moment, beta, fmt.name, key, tensor=q.codes)
+    if grid is None and q.codes.dtype == torch.float8_e4m3fn:
+        return BlockFp8Slot(p, moment, beta, fmt.name, key, stored=q.codes, scale=q.scale, block_size=block_size)
     raise TypeError(f"QuantizedAdamW adapter: no slot layout for state format {fmt.name!r}")
 
 
@@ -108,30 +98,7 @@ class QuantizedAdamWAdapter(OptimizerAdapter):
         m_format = self.optimizer.moment_format(p, "m")
         m_hat = m_format.dequantize(self.optimizer.moment_state(p, "m")).reshape(-1) / (1.0 - beta1**step_m)
         target = restarted_v(m_hat, None if p.grad is None else p.grad.reshape(-1), step_v, beta2)
-        write_rounded_up(self.optimizer.moment_format(p, "v"), self.optimizer.moment_state(p, "v"), target)
-
-
-def write_rounded_up(fmt: StateFormat, q: QuantizedState, target: Tensor) -> None:
-    """Store the non-negative fp32 ``target`` into ``q`` in place, every value rounded up onto the format's grid
-    (so quantization cannot undo a bound, and no positive value becomes zero)."""
-    if q.scale is None:
-        q.codes.view(-1).copy_(round_up_float(target, q.codes.dtype))
-    elif fmt.name == "fp8_e4m3":
-        codes, scale = round_up_fp8_blockwise(target.reshape(-1), target.numel())
-        q.codes.view(-1).copy_(codes.reshape(-1))
-        q.scale.copy_(scale.reshape(q.scale.shape))
-    elif fmt.name in ("int8_dynamic", "fp4"):
-        grid = dynamic_map(False) if fmt.name == "int8_dynamic" else fp4_values(fmt)
-        block = INT8_BLOCK if fmt.name == "int8_dynamic" else FP4_BLOCK
-        codes, absmax = round_up_blockwise(target, grid.to(target.device), block)
-        q.scale.copy_(absmax.clamp_min(1e-12))
-        if fmt.name == "int8_dynamic":
-            q.codes.view(-1).copy_(codes)
-        else:
-            padded = torch.cat([codes, codes.new_zeros(codes.numel() % 2)])
-            q.codes.copy_(pack_nibbles(padded))
-    else:
-        raise TypeError(f"QuantizedAdamW adapter: no rounded-up writer for state format {fmt.name!r}")
+        self.optimizer.moment_format(p, "v").round_up_into(self.optimizer.moment_state(p, "v"), target)
 
 
 ADAPTERS = {QuantizedAdamW: QuantizedAdamWAdapter}

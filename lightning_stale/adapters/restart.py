@@ -15,13 +15,13 @@ the paper's age-1 restart (``v_hat = g**2`` after one step) with the last gradie
 ``n_hat**2`` floor keeps the kept first moment from outrunning the fresh denominator, so the next update satisfies
 ``|update| <= lr * |n_hat_next| / s <= lr``, the size of a first Adam step. If the next gradient is much larger than
 ``s`` the bound loosens smoothly to ``lr * (1 - beta1) / sqrt(1 - beta2)`` (3.2x at the default betas), never to
-``m / eps``. Stored values are rounded *up* onto the state's grid so quantization cannot undo the bound.
+``m / eps``. Stored values are rounded *up* onto the state's grid (``round_up_float``, ``round_up_blockwise`` and
+``round_up_fp8_blockwise`` in :mod:`lightning_stale.formats`) so quantization cannot undo the bound.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -36,36 +36,3 @@ def restarted_v(numerator: Tensor, grad: Tensor | None, step: int, beta2: float)
     s2 = torch.maximum(num2, g2)
     c2_next = 1.0 - beta2 ** (step + 1)
     return ((c2_next * s2 - (1.0 - beta2) * g2) / beta2).clamp_min(0.0)
-
-
-def round_up_float(target: Tensor, dtype: torch.dtype) -> Tensor:
-    """``target`` (non-negative fp32) cast to ``dtype``, bumped one ulp where the cast rounded down."""
-    cast = target.to(dtype)
-    low = cast.float() < target
-    return torch.where(low, torch.nextafter(cast, torch.full_like(cast, float("inf"))), cast)
-
-
-def round_up_blockwise(target: Tensor, qmap: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """Block-wise codes into a sorted ``qmap`` (flat, one per element) and per-block absmax, with
-    ``qmap[code] * absmax >= target`` for non-negative ``target`` (the smallest map entry at or above each value)."""
-    flat = target.reshape(-1).float()
-    n = flat.numel()
-    blocks = -(-n // block_size)
-    padded = F.pad(flat, (0, blocks * block_size - n)).view(blocks, block_size)
-    absmax = padded.abs().amax(dim=1)
-    normalized = padded / torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(1)
-    codes = torch.searchsorted(qmap.contiguous(), normalized.reshape(-1)).clamp_max(qmap.numel() - 1)
-    return codes[:n].to(torch.uint8), absmax
-
-
-def round_up_fp8_blockwise(target: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """torchao's FP8 block layout (``e4m3fn`` codes, scale = block max / 448), rounding codes up."""
-    blocks = target.reshape(-1, block_size).float()
-    fp8 = torch.float8_e4m3fn
-    scale = blocks.abs().amax(dim=1).clip(1e-12) / torch.finfo(fp8).max
-    normalized = blocks / scale.unsqueeze(1)
-    codes = normalized.to(fp8)
-    bits = codes.view(torch.uint8)
-    top = 0x7E  # 448, the largest finite e4m3fn value; the block maximum may exceed it by rounding, never bump past
-    bumped = torch.where((codes.float() < normalized) & (bits < top), bits + 1, bits)
-    return bumped.view(fp8).reshape(target.shape), scale

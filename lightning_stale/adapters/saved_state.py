@@ -233,17 +233,17 @@ def _quantized_param(index: int, entry: Mapping[str, Any], group: Mapping[str, A
         name = names.get(moment) if isinstance(names, Mapping) else names
         if name is None or (entry[key].dtype == torch.float32 and name != "fp32"):
             name = "fp32"  # parameters below min_quantized_size are stored in fp32
-        formats[moment] = name
-    shown = [entry[KEYS[m]].shape for m in KEYS if formats[m] != "fp4"]  # fp4 packs its codes into a flat tensor
+        formats[moment] = get_format(name, signed=moment == "m")
+    # codes of fewer than 8 bits are packed into a flat tensor
+    shown = [entry[KEYS[m]].shape for m in KEYS if formats[m].bits >= 8]
     shape = tuple(shown[0]) if shown else shape
-    # without a shape, an odd fp4 tensor contributes one padding element
+    # without a shape, an odd count of 4-bit codes contributes one padding element
     numel = math.prod(shape) if shape is not None else 2 * entry[KEYS["v"]].numel()
     placeholder = stand_in(shape or (numel,))
     slots = []
     for (moment, key), beta in zip(KEYS.items(), group["betas"]):
         q = QuantizedState(entry[key], entry.get(f"{key}_scale"), torch.Size(shape or (numel,)))
-        fmt = get_format(formats[moment], signed=moment == "m")
-        slots.append(format_slot(placeholder, moment, float(beta), fmt, q))
+        slots.append(format_slot(placeholder, moment, float(beta), formats[moment], q))
     return SavedParam(index, slots, _step(entry.get("step_v")), shape)
 
 

@@ -20,7 +20,8 @@ from torch import Tensor
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.layouts import FLOAT_FORMATS, FloatSlot
 from lightning_stale.adapters.protocol import Moment, OptimizerAdapter, SharedStepAdapter, Slot, resolve_moments
-from lightning_stale.adapters.restart import restarted_v, round_up_float
+from lightning_stale.adapters.restart import restarted_v
+from lightning_stale.formats.floats import round_up_float
 
 
 def float_slot(param: Tensor, state: dict, key: str, moment: Moment, beta: float | None) -> FloatSlot:

@@ -25,13 +25,10 @@ from torchao.optim.subclass_fp8 import OptimStateFp8
 from lightning_stale._compat import local_tensor, torchao_optimizer_classes
 from lightning_stale.adapters.layouts import FLOAT_FORMATS, BlockFp8Slot, BlockQmapSlot, FloatSlot, Packed4bitSlot
 from lightning_stale.adapters.protocol import Moment, SharedStepAdapter, Slot
-from lightning_stale.adapters.restart import (
-    restarted_v,
-    round_up_blockwise,
-    round_up_float,
-    round_up_fp8_blockwise,
-)
-from lightning_stale.formats.base import pack_nibbles
+from lightning_stale.adapters.restart import restarted_v
+from lightning_stale.formats.base import pack_nibbles, round_up_blockwise
+from lightning_stale.formats.floats import round_up_float
+from lightning_stale.formats.fp8 import round_up_fp8_blockwise
 
 KEYS: tuple[tuple[str, Moment, int], ...] = (("exp_avg", "m", 0), ("exp_avg_sq", "v", 1))
 

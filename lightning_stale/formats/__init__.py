@@ -1,7 +1,9 @@
-"""Low-precision storage formats for optimizer moments, with their local grid spacing.
+"""Low-precision storage formats for optimizer moments, one class per file, each with its description and rounding.
 
 ``get_format(name, signed)`` returns a :class:`StateFormat`; ``signed`` selects the first-moment (signed) or
-second-moment (non-negative) variant where a format has both (fp4, int8_dynamic).
+second-moment (non-negative) variant where a format has both (fp4, int8_dynamic). A new format is a
+:class:`StateFormat` subclass passed to :func:`register_format`: ``QuantizedAdamW``, its adapter and the saved-state
+reader then take it by name.
 """
 
 from __future__ import annotations
@@ -15,27 +17,39 @@ from lightning_stale.formats.fp8 import Fp8E4M3Format
 from lightning_stale.formats.int8_dynamic import Int8DynamicFormat
 from lightning_stale.vocab import ROUNDINGS, check_choice, check_rounding
 
-_FORMATS: dict[str, type[StateFormat]] = {
-    "fp32": Fp32Format,
-    "bf16": Bf16Format,
-    "fp16": Fp16Format,
-    "fp8_e4m3": Fp8E4M3Format,
-    "fp4": Fp4Format,
-    "int8_dynamic": Int8DynamicFormat,
-}
-FORMAT_NAMES: tuple[str, ...] = tuple(_FORMATS)
+FORMATS: dict[str, type[StateFormat]] = {}  # name -> format class, the built-ins first, in registration order
+
+
+def register_format(cls: type[StateFormat]) -> type[StateFormat]:
+    """Make the :class:`StateFormat` subclass ``cls`` available under its ``name`` (a later registration of a name
+    wins); returns ``cls``, so it also serves as a class decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, StateFormat)):
+        raise TypeError(f"a state format must be a StateFormat subclass, got {cls!r}")
+    if not (isinstance(getattr(cls, "name", None), str) and cls.name):
+        raise TypeError(f"{cls.__name__} needs a non-empty string `name`")
+    FORMATS[cls.name] = cls
+    return cls
+
+
+for _builtin in (Fp32Format, Bf16Format, Fp16Format, Fp8E4M3Format, Fp4Format, Int8DynamicFormat):
+    register_format(_builtin)
+FORMAT_NAMES: tuple[str, ...] = tuple(FORMATS)  # the built-in formats' names; FORMATS also holds registered ones
 
 
 def check_format_name(name: object, argument: str = "state_format") -> None:
-    """Raise a ValueError naming the allowed values unless ``name`` is a known format name."""
-    check_choice(argument, name, FORMAT_NAMES)
+    """Raise a ValueError naming the allowed values unless ``name`` is a registered format name."""
+    check_choice(argument, name, tuple(FORMATS))
+
+
+def get_format(name: str, signed: bool) -> StateFormat:
+    """The format registered as ``name`` for a signed (m) or unsigned (v) moment; one shared instance per class."""
+    check_format_name(name, "name")
+    return _shared(FORMATS[name], bool(signed))
 
 
 @lru_cache(maxsize=None)
-def get_format(name: str, signed: bool) -> StateFormat:
-    """The format ``name`` (one of :data:`FORMAT_NAMES`) for a signed (m) or unsigned (v) moment; shared instances."""
-    check_format_name(name, "name")
-    return _FORMATS[name](bool(signed))
+def _shared(cls: type[StateFormat], signed: bool) -> StateFormat:
+    return cls(signed)
 
 
 def zero_code(name: str, signed: bool) -> int | None:
@@ -45,6 +59,7 @@ def zero_code(name: str, signed: bool) -> int | None:
 
 
 __all__ = [
+    "FORMATS",
     "FORMAT_NAMES",
     "ROUNDINGS",
     "QuantizedState",
@@ -52,5 +67,6 @@ __all__ = [
     "check_format_name",
     "check_rounding",
     "get_format",
+    "register_format",
     "zero_code",
 ]

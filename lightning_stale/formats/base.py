@@ -2,6 +2,7 @@
 
 A format turns an fp32 tensor into a :class:`QuantizedState` (codes plus optional scales), turns it back, and reports
 the absolute grid spacing at each stored value, which the stalling theory divides by the value to get the relative gap.
+It also describes its storage (bits, block size, code table), which is all the adapters need to read it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_stale.vocab import check_rounding
@@ -66,20 +68,27 @@ def private_generator() -> torch.Generator:
 
 
 class StateFormat(ABC):
-    """One storage format for an optimizer moment.
+    """One storage format for an optimizer moment: its description and its rounding, so that the optimizer and the
+    adapters that read it never ask for a format by name.
 
     Attributes:
-        name: the name in :data:`FORMAT_NAMES`.
+        name: the name it is registered under (:func:`lightning_stale.formats.register_format`); the slots, the
+            fit-start report and ``inspect`` show it.
         signed: True for first moments (signed values), False for second moments (non-negative values).
+        bits: bits of storage per element, scales excluded; 4-bit codes are packed two per byte into a flat tensor.
         block_size: elements sharing one scale, or None (no scale or a single per-tensor scale).
         theory_name: the float format the stalling theory models (``"bf16"``, ``"fp4_e2m2"`` ...), None for grids
             the theory does not cover (fp32, int8_dynamic).
+        table_rounded: nearest rounding is a lookup in 65,536-entry tables (:class:`GridRounder`), which Inductor does
+            not vectorize, so ``QuantizedAdamW(compile=None)`` keeps it eager on CPU.
     """
 
     name: str
     signed: bool
+    bits: int
     block_size: int | None = None
     theory_name: str | None = None
+    table_rounded: bool = False
 
     def __init__(self, signed: bool) -> None:
         self.signed = bool(signed)
@@ -135,6 +144,27 @@ class StateFormat(ABC):
     def zero_code(self) -> int | None:
         """The per-element code value that stores an exact zero whatever the scale, or None if the grid has no zero."""
         return 0
+
+    def grid(self) -> Tensor | None:
+        """The fp32 value of every code at scale 1, by code, for formats whose codes index a table of values (a shared
+        tensor: do not modify it); None where the codes are float bit patterns."""
+        return None
+
+    def pack_codes(self, codes: Tensor) -> Tensor:
+        """The stored form of flat per-element codes, the inverse of :meth:`element_codes`: the codes themselves
+        here, packed where a format stores several per byte."""
+        return codes
+
+    def round_up_into(self, q: QuantizedState, target: Tensor) -> None:
+        """Store the non-negative fp32 ``target`` into ``q`` in place, every value rounded up onto the grid (so
+        quantization cannot undo a bound, and no positive value becomes zero). This default serves formats with a
+        :meth:`grid` scaled per block or per tensor; float formats override it."""
+        grid = self.grid()
+        if grid is None or q.scale is None:
+            raise TypeError(f"state format {self.name!r} has no rounded-up write")
+        codes, absmax = round_up_blockwise(target, grid.to(target.device), self.block_size or max(target.numel(), 1))
+        q.scale.copy_(absmax.clamp_min(1e-12))
+        q.codes.view(-1).copy_(self.pack_codes(codes))
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -269,6 +299,19 @@ class GridRounder:
         lo_index = lo.int()
         frac = x - lookup(self.grid, lo_index)
         return lo.add_(frac > uniform_from_bits(noise.reshape(x.shape)).mul_(lookup(self.gaps, lo_index)))
+
+
+def round_up_blockwise(target: Tensor, qmap: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Block-wise codes into a sorted ``qmap`` (flat, one per element) and per-block absmax, with
+    ``qmap[code] * absmax >= target`` for non-negative ``target`` (the smallest map entry at or above each value)."""
+    flat = target.reshape(-1).float()
+    n = flat.numel()
+    blocks = -(-n // block_size)
+    padded = F.pad(flat, (0, blocks * block_size - n)).view(blocks, block_size)
+    absmax = padded.abs().amax(dim=1)
+    normalized = padded / torch.where(absmax > 0, absmax, torch.ones_like(absmax)).unsqueeze(1)
+    codes = torch.searchsorted(qmap.contiguous(), normalized.reshape(-1)).clamp_max(qmap.numel() - 1)
+    return codes[:n].to(torch.uint8), absmax
 
 
 def grid_spacing_table(values: Tensor) -> Tensor:

@@ -40,6 +40,13 @@ def stochastic_round_float(
     return torch.copysign(torch.where(small, rounded - offset, rounded), x)
 
 
+def round_up_float(target: Tensor, dtype: torch.dtype) -> Tensor:
+    """``target`` (non-negative fp32) cast to ``dtype``, bumped one ulp where the cast rounded down."""
+    cast = target.to(dtype)
+    low = cast.float() < target
+    return torch.where(low, torch.nextafter(cast, torch.full_like(cast, float("inf"))), cast)
+
+
 class FloatFormat(StateFormat):
     """A native torch float dtype used as storage, saturating at its largest finite value."""
 
@@ -70,19 +77,22 @@ class FloatFormat(StateFormat):
         return QuantizedState(torch.zeros(shape, dtype=self.dtype), None, torch.Size(shape))
 
     def bytes_per_element(self, numel: int) -> float:
-        return float(torch.finfo(self.dtype).bits // 8)
+        return float(self.bits // 8)
 
     def element_codes(self, q: QuantizedState) -> Tensor:
         """The stored bit patterns as integers, one per element (equal iff the stored value is unchanged)."""
-        bits = torch.finfo(self.dtype).bits
-        int_dtype = {32: torch.int32, 16: torch.int16, 8: torch.uint8}[bits]
+        int_dtype = {32: torch.int32, 16: torch.int16, 8: torch.uint8}[self.bits]
         return q.codes.view(int_dtype).reshape(-1)
+
+    def round_up_into(self, q: QuantizedState, target: Tensor) -> None:
+        q.codes.view(-1).copy_(round_up_float(target, q.codes.dtype))
 
 
 class Fp32Format(FloatFormat):
     """fp32 storage: the reference, stores values unchanged."""
 
     name = "fp32"
+    bits = 32
     dtype = torch.float32
     mantissa_bits = 23
     min_exponent = -126
@@ -95,6 +105,7 @@ class Bf16Format(FloatFormat):
     """bfloat16 storage (8 exponent bits, 7 mantissa bits, same range as fp32)."""
 
     name = "bf16"
+    bits = 16
     theory_name = "bf16"
     dtype = torch.bfloat16
     mantissa_bits = 7
@@ -114,6 +125,7 @@ class Fp16Format(FloatFormat):
     """IEEE half storage (5 exponent bits, 10 mantissa bits, max 65504; saturates instead of overflowing)."""
 
     name = "fp16"
+    bits = 16
     theory_name = "fp16"
     dtype = torch.float16
     mantissa_bits = 10

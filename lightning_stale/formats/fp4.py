@@ -47,7 +47,9 @@ class Fp4Format(StateFormat):
     """E2M1 (signed) or zero-free E2M2 (unsigned) codes, one fp32 absmax per block of 128."""
 
     name = "fp4"
+    bits = 4
     block_size = BLOCK_SIZE
+    table_rounded = True
 
     def __init__(self, signed: bool) -> None:
         super().__init__(signed)
@@ -73,6 +75,14 @@ class Fp4Format(StateFormat):
     def element_codes(self, q: QuantizedState) -> Tensor:
         """The 4-bit codes unpacked, one uint8 per element, flat."""
         return unpack_nibbles(q.codes, q.shape.numel())
+
+    def pack_codes(self, codes: Tensor) -> Tensor:
+        """Two codes per byte (an odd count padded with a zero code)."""
+        return pack_nibbles(torch.cat([codes, codes.new_zeros(codes.numel() % 2)]))
+
+    def grid(self) -> Tensor:
+        """The 16 values of the codes, by code (sign bit 8 for the signed variant)."""
+        return self._values
 
     def _per_code(self, q: QuantizedState, table: Tensor) -> Tensor:
         numel = q.shape.numel()

@@ -30,10 +30,23 @@ def e4m3_spacing(codes: Tensor) -> Tensor:
     return float_ulp(fp8_to_float(codes).abs(), FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
 
 
+def round_up_fp8_blockwise(target: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """torchao's FP8 block layout (``e4m3fn`` codes, scale = block max / 448), rounding codes up."""
+    blocks = target.reshape(-1, block_size).float()
+    scale = blocks.abs().amax(dim=1).clip(1e-12) / FP8_MAX
+    normalized = blocks / scale.unsqueeze(1)
+    codes = normalized.to(FP8_DTYPE)
+    bits = codes.view(torch.uint8)
+    top = 0x7E  # 448, the largest finite e4m3fn value; the block maximum may exceed it by rounding, never bump past
+    bumped = torch.where((codes.float() < normalized) & (bits < top), bits + 1, bits)
+    return bumped.view(FP8_DTYPE).reshape(target.shape), scale
+
+
 class Fp8E4M3Format(StateFormat):
     """``float8_e4m3fn`` codes scaled so the tensor's largest magnitude maps to 448."""
 
     name = "fp8_e4m3"
+    bits = 8
     theory_name = "fp8_e4m3"
 
     def quantize_with_noise(self, x: Tensor, noise: Tensor | None) -> QuantizedState:
@@ -59,3 +72,8 @@ class Fp8E4M3Format(StateFormat):
     def element_codes(self, q: QuantizedState) -> Tensor:
         """The stored bytes, one per element (equal iff the stored code is unchanged)."""
         return q.codes.view(torch.uint8).reshape(-1)
+
+    def round_up_into(self, q: QuantizedState, target: Tensor) -> None:
+        codes, scale = round_up_fp8_blockwise(target.reshape(-1), target.numel())
+        q.codes.view(-1).copy_(codes.reshape(-1))
+        q.scale.copy_(scale.reshape(q.scale.shape))

@@ -64,7 +64,9 @@ class Int8DynamicFormat(StateFormat):
     """uint8 codes into the dynamic map, one fp32 absmax per block of 256."""
 
     name = "int8_dynamic"
+    bits = 8
     block_size = BLOCK_SIZE
+    table_rounded = True
 
     def __init__(self, signed: bool) -> None:
         super().__init__(signed)
@@ -103,3 +105,7 @@ class Int8DynamicFormat(StateFormat):
     def element_codes(self, q: QuantizedState) -> Tensor:
         """The uint8 codes, flat."""
         return q.codes.reshape(-1)
+
+    def grid(self) -> Tensor:
+        """The 256 map values (:func:`dynamic_map`), shared."""
+        return self._map

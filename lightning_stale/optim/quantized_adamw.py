@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_stale import _compat
 from lightning_stale.formats import (
-    FORMAT_NAMES,
+    FORMATS,
     QuantizedState,
     StateFormat,
     check_format_name,
@@ -37,10 +37,6 @@ from lightning_stale.vocab import MOMENTS, Moment, check_choice, check_moments
 _KEYS = {"m": ("exp_avg", "exp_avg_scale", "step_m"), "v": ("exp_avg_sq", "exp_avg_sq_scale", "step_v")}
 _GENERATOR_KEY = "generator_state"
 COMPILE_MIN_NUMEL = 1 << 16  # compile=None compiles the step of parameters at least this large
-# compile=None leaves these to the eager path on CPU with nearest rounding: it is a lookup in 65,536-entry tables,
-# which Inductor does not vectorize, so the eager step (index_select) measured faster (BENCHMARKS.md, optimizer step
-# time); with stochastic rounding the eager noise hash costs more and the compiled step wins.
-TABLE_ROUNDED = frozenset({"int8_dynamic", "fp4"})
 
 
 def _format_names(state_format: object) -> dict[str, str]:
@@ -52,7 +48,7 @@ def _format_names(state_format: object) -> dict[str, str]:
             raise ValueError(f"state_format mapping must have exactly the keys 'm' and 'v', got {sorted(state_format)}")
         names = {"m": state_format["m"], "v": state_format["v"]}
     else:
-        raise TypeError(f"state_format must be a name from {FORMAT_NAMES} or a mapping {{'m': name, 'v': name}}")
+        raise TypeError(f"state_format must be a name from {tuple(FORMATS)} or a mapping {{'m': name, 'v': name}}")
     for moment, name in names.items():
         check_format_name(name, f"state_format[{moment!r}]")
     return names
@@ -64,7 +60,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param groups; groups may override ``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``state_format``, ``rounding`` and ``min_quantized_size``.
-        state_format: a name from ``FORMAT_NAMES`` for both moments, or ``{"m": name, "v": name}``.
+        state_format: a registered format name (``FORMATS``) for both moments, or ``{"m": name, "v": name}``.
         rounding: ``"nearest"`` or ``"stochastic"`` (the write-back rounding of the stored moments).
         min_quantized_size: parameters with fewer elements keep fp32 moments.
         seed: seed of the optimizer's own generator for stochastic rounding (the global RNG is never used).
@@ -72,9 +68,10 @@ class QuantizedAdamW(torch.optim.Optimizer):
             analysis; off by default, and not needed by the monitor, which samples the stored codes itself).
         compile: fuse each parameter's step with ``torch.compile`` (Inductor CPU/GPU kernels, a one-off compile of
             ~10-20 s per format pair and rounding); None compiles parameters with at least ``COMPILE_MIN_NUMEL``
-            elements when a C++ compiler is on PATH, except table-rounded formats (int8_dynamic, fp4) with nearest
-            rounding on CPU, whose eager step is faster. Compiled and eager steps give the same codes and the same
-            stochastic-rounding stream (noise hashed from per-step keys drawn from ``seed``'s generator).
+            elements when a C++ compiler is on PATH, except table-rounded formats (``StateFormat.table_rounded``:
+            int8_dynamic, fp4) with nearest rounding on CPU, whose eager step is faster. Compiled and eager steps
+            give the same codes and the same stochastic-rounding stream (noise hashed from per-step keys drawn from
+            ``seed``'s generator).
     """
 
     def __init__(
@@ -263,8 +260,11 @@ class QuantizedAdamW(torch.optim.Optimizer):
         if not (param.is_contiguous() and param.grad.is_contiguous()):
             return False
         if self.compile is None:
+            # Table-rounded formats stay eager on CPU with nearest rounding: the eager step (index_select) measured
+            # faster (BENCHMARKS.md, optimizer step time); with stochastic rounding the eager noise hash costs more
+            # and the compiled step wins.
             table_on_cpu = (param.device.type == "cpu" and rounding == "nearest"
-                            and any(f.name in TABLE_ROUNDED for f in formats))
+                            and any(f.table_rounded for f in formats))
             return param.numel() >= COMPILE_MIN_NUMEL and not table_on_cpu and _compat.compiler_available()
         return self.compile
 
