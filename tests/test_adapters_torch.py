@@ -81,9 +81,19 @@ def _family(name: str) -> str:
     return name.split("-")[0]
 
 
-def _seen(name: str, p: torch.Tensor) -> bool:
-    """Whether the adapter shows ``p``'s state: Adafactor's factored matrices have no per-element state."""
-    return not (_family(name) == "Adafactor" and p.dim() > 1)
+def _slot_moments(name: str, p: torch.Tensor) -> tuple[str, ...]:
+    """The moments of ``p``'s slots: Adafactor's matrices keep two factors of v (``row_var``, ``col_var``)."""
+    if _family(name) == "Adafactor" and p.dim() > 1:
+        return ("v", "v")
+    return MOMENTS[_family(name)]
+
+
+def _as_read(state: dict, key: str) -> torch.Tensor:
+    """``state[key]`` as its slot reads it: an Adafactor factor spread over its matrix (the shape both factors
+    broadcast to)."""
+    if key in ("row_var", "col_var"):
+        return torch.broadcast_tensors(state["row_var"], state["col_var"])[key == "col_var"]
+    return state[key]
 
 
 def _slack(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> float:
@@ -105,7 +115,7 @@ def test_slots_and_reads(name: str, dtype: torch.dtype) -> None:
     run(opt, params, range(2))
     adapter = adapter_for(opt)
     slots = adapter.slots()
-    expected = [(p, m) for p in params if _seen(name, p) for m in MOMENTS[_family(name)]]
+    expected = [(p, m) for p in params for m in _slot_moments(name, p)]
     assert [(s.param, s.moment) for s in slots] == expected
     fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     assert {s.format for s in slots} == {fmt}
@@ -119,7 +129,7 @@ def test_slots_and_reads(name: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", ["Adam", "NAdam", "RAdam", "Adamax", "Adafactor", "SGD-momentum", "RMSprop-centered"])
 def test_codes_track_state(name: str, dtype: torch.dtype) -> None:
-    check_codes_track_state(OPTIMIZERS[name], make_params(SHAPES, dtype), lambda state, key: state[key])
+    check_codes_track_state(OPTIMIZERS[name], make_params(SHAPES, dtype), _as_read)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -153,12 +163,11 @@ def test_reported_moments_and_betas(name: str) -> None:
     params = make_params(SHAPES)
     opt = OPTIMIZERS[name](params)
     run(opt, params, range(2))
-    expected = {"NAdam": [("exp_avg", "m", 0.9), ("exp_avg_sq", "v", 0.999)],
-                "RAdam": [("exp_avg", "m", 0.9), ("exp_avg_sq", "v", 0.999)],
-                "Adamax": [("exp_avg", "m", 0.9), ("exp_inf", "v", None)],
-                "Adafactor": [("variance", "v", None)]}[name]
-    seen = [p for p in params if _seen(name, p)]
-    assert [(s.key, s.moment, s.beta) for s in adapter_for(opt).slots()] == expected * len(seen)
+    expected = {"NAdam": [("exp_avg", "m", 0.9), ("exp_avg_sq", "v", 0.999)] * 2,
+                "RAdam": [("exp_avg", "m", 0.9), ("exp_avg_sq", "v", 0.999)] * 2,
+                "Adamax": [("exp_avg", "m", 0.9), ("exp_inf", "v", None)] * 2,
+                "Adafactor": [("row_var", "v", None), ("col_var", "v", None), ("variance", "v", None)]}[name]
+    assert [(s.key, s.moment, s.beta) for s in adapter_for(opt).slots()] == expected  # the matrix, then the vector
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -212,7 +221,8 @@ def test_adafactor_v_reset_is_the_exact_fresh_state_and_covers_factored_matrices
     run(opt, params, range(3))
     adapter = adapter_for(opt)
     assert adapter.exact_moment_reset
-    assert [s.param for s in adapter.slots()] == [params[1]]  # the matrix keeps row/column factors only
+    assert [(s.param, s.key) for s in adapter.slots()] == [(params[0], "row_var"), (params[0], "col_var"),
+                                                          (params[1], "variance")]
     adapter.reset(["v"], params=[params[0]])
     state = opt.state[params[0]]
     assert int(state["step"]) == 0 and not state["row_var"].any() and not state["col_var"].any()
@@ -230,7 +240,7 @@ def test_nadam_full_reset_restores_mu_product() -> None:
 
 @pytest.mark.parametrize("name", ["NAdam", "RAdam", "Adamax", "Adafactor"])
 def test_monitor_measures_and_resets_through_the_new_adapters(name: str) -> None:
-    """End to end: the monitor tracks the seen slots and its periodic v resets run (Adafactor: vectors only)."""
+    """End to end: the monitor tracks the slots and its periodic v resets run."""
     from lightning_stale import StaleStateMonitor
 
     params = make_params(SHAPES)

@@ -29,9 +29,10 @@ def take(tensor: Tensor, index: Tensor) -> Tensor:
 class Slot:
     """One stored moment of one parameter.
 
-    The engine reads a slot on its hot path only through :meth:`sampled_codes` (a strided view, no kernel); the
-    ``*_at`` methods gather values and spacings at explicit indices off the hot path (drift readouts, grid
-    estimates), and subclasses override them when they can do so without touching the whole tensor.
+    The engine reads a slot on its hot path only through :meth:`sampled_codes` (a strided view, no kernel, unless the
+    layout is ``gathered``); the ``*_at`` methods gather values and spacings at explicit indices off the hot path
+    (drift readouts, grid estimates), and subclasses override them when they can do so without touching the whole
+    tensor.
 
     Attributes:
         param: the parameter this moment belongs to.
@@ -49,6 +50,7 @@ class Slot:
     key: str
 
     packed: ClassVar[bool] = False  # two codes per byte: sampled by element pairs (measure/sampling.py)
+    gathered: ClassVar[bool] = False  # sampled_codes is a copy (no view reads the elements), read at every snapshot
 
     @property
     def numel(self) -> int:
@@ -84,7 +86,8 @@ class Slot:
         return torch.stack([torch.where(keep, values / spacing, 0.0).sum(), keep.sum().double()])
 
     def sampled_codes(self, sample: Sample) -> Tensor:
-        """The codes of the sampled elements as a 1-D view of the stored tensor (bytes for packed layouts)."""
+        """The codes of the sampled elements as a view of the stored tensor (bytes for packed layouts), shaped as
+        ``sample.view``; a copy where ``gathered``."""
         return sample.view(self.codes())
 
     def zero_code(self) -> int | None:

@@ -42,7 +42,7 @@ TORCH_MOMENTS: dict[str, tuple[Moment, str | None, int | None]] = {
     "square_avg": ("v", "alpha", None),  # RMSprop
     "sum": ("v", None, None),  # Adagrad
 }
-TORCH_UNREAD = ("row_var", "col_var")  # Adafactor's factored matrices: one value per row and column, not read (as live)
+TORCH_UNREAD = ("row_var", "col_var")  # Adafactor's factors: not read from a saved state (the live adapter reads them)
 MODEL_BUFFERS = ("running_mean", "running_var")  # floating tensors of a model state_dict that no optimizer holds
 HF_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
 MONITOR_CALLBACK = "StaleStateCallback"  # the Lightning callback's state keys start with its class name

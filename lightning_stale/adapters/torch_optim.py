@@ -2,32 +2,37 @@
 states in any float dtype.
 
 Moments seen: Adam/AdamW/RAdam/NAdam ``exp_avg`` -> m (beta1) and ``exp_avg_sq`` -> v (beta2); Adamax ``exp_avg``
--> m (beta1) and ``exp_inf`` -> v (a decayed running max of |g|, not an EMA: beta None); Adafactor ``variance`` -> v
-(beta None: its beta2 follows a schedule), its factored ``row_var``/``col_var`` are reset but not seen; SGD
+-> m (beta1) and ``exp_inf`` -> v (a decayed running max of |g|, not an EMA: beta None); Adafactor ``variance``
+(vectors) and its factored ``row_var`` and ``col_var`` (matrices) -> v (beta None: its beta2 follows a schedule); SGD
 ``momentum_buffer`` -> m (not an EMA: beta None); RMSprop ``square_avg`` -> v (beta = alpha); Adagrad ``sum`` -> v (a
-running sum: beta None). Codes are the raw bits of the state tensor; the grid is the tensor's own dtype (bf16
-parameters give bf16 states). Resets write buffers and the ``step`` tensor in place (fused/foreach/capturable keep
-their tensors).
+running sum: beta None). Codes are the raw bits of the state tensor (a factor's, as each element of its parameter
+reads it); the grid is the tensor's own dtype (bf16 parameters give bf16 states). Resets write buffers and the
+``step`` tensor in place (fused/foreach/capturable keep their tensors).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from lightning_stale._compat import local_tensor
-from lightning_stale.adapters.layouts import FLOAT_FORMATS, FloatSlot
+from lightning_stale.adapters.layouts import FLOAT_FORMATS, FloatSlot, ZeroLanes, dtype_ulp
 from lightning_stale.adapters.protocol import Moment, OptimizerAdapter, SharedStepAdapter, Slot, resolve_moments
 from lightning_stale.adapters.restart import restarted_v
 from lightning_stale.formats.floats import round_up_float
+from lightning_stale.measure.sampling import Sample
 
 
-def float_slot(param: Tensor, state: dict, key: str, moment: Moment, beta: float | None) -> FloatSlot:
+def float_slot(param: Tensor, state: dict, key: str, moment: Moment, beta: float | None,
+               layout: type[FloatSlot] = FloatSlot) -> FloatSlot:
     """A slot over the plain float tensor ``state[key]`` (this process's shard of a DTensor state under FSDP2)."""
     tensor = local_tensor(state[key])
-    return FloatSlot(param, moment, beta, FLOAT_FORMATS.get(tensor.dtype, str(tensor.dtype)), key, tensor=tensor)
+    return layout(param, moment, beta, FLOAT_FORMATS.get(tensor.dtype, str(tensor.dtype)), key, tensor=tensor)
 
 
 def _decoupled(optimizer: torch.optim.Optimizer, group: dict) -> bool:
@@ -168,24 +173,101 @@ class TorchAdamaxAdapter(SharedStepAdapter):
         stored.copy_(round_up_float(level / beta2 if beta2 > 0 else level, stored.dtype))
 
 
+@dataclass(eq=False, kw_only=True)
+class FactorSlot(FloatSlot):
+    """One factor of Adafactor's factored second moment (``row_var``, one value per row, or ``col_var``, one per
+    column), read as each element of the parameter sees it: element (i, j) reads its row's (column's) factor, so its
+    stall is that of the factor its estimate ``row_var[i] * col_var[j] / mean(row_var)`` took. No strided view maps
+    elements to their row or column, so the sampled codes are gathered (``gathered``: read again at each snapshot)."""
+
+    gathered: ClassVar[bool] = True
+
+    def _broadcast(self, tensor: Tensor) -> Tensor:
+        """``tensor`` (the factor's shape) as a view over this process's shard of the parameter."""
+        return tensor.expand(local_tensor(self.param).shape)
+
+    def codes(self) -> Tensor:
+        return self._broadcast(super().codes())
+
+    def value(self) -> Tensor:
+        return self._broadcast(self.tensor).reshape(-1).float()
+
+    def spacing(self) -> Tensor | None:
+        return dtype_ulp(self._broadcast(self.tensor).reshape(-1))
+
+    def sampled_codes(self, sample: Sample) -> Tensor:
+        codes = self.codes()
+        if sample.full:
+            return sample.view(codes)
+        return torch.take(codes, sample.positions(codes.device)).view(sample.count, sample.run)
+
+    def codes_at(self, index: Tensor) -> Tensor:
+        return torch.take(self.codes(), index)
+
+    def value_at(self, index: Tensor) -> Tensor:
+        return torch.take(self._broadcast(self.tensor), index).float()
+
+    def spacing_at(self, index: Tensor) -> Tensor | None:
+        return dtype_ulp(torch.take(self._broadcast(self.tensor), index))
+
+    def zero_mask(self) -> Tensor:
+        return self._broadcast(self.tensor == 0).reshape(-1)
+
+    def zero_elements(self, mask: Tensor) -> None:
+        Slot.zero_elements(self, mask)  # a zero written into a factor would zero its whole row or column: refused
+
+    def zero_view(self) -> tuple[Tensor, int | float] | None:
+        return None  # one stored value per row or column: no per-element view
+
+    def zero_lanes(self) -> ZeroLanes | None:
+        return None
+
+
 class TorchAdafactorAdapter(OptimizerAdapter):
     """``torch.optim.Adafactor`` (torch >= 2.5; for-loop and foreach): v only, no first moment.
 
-    Vectors keep ``variance`` (one value per element): a v slot. Matrices keep only ``row_var`` and ``col_var``, one
-    value per row and per column, which the engine's per-element strided views cannot read: they are reset but not
-    seen, so the monitor's policies (which act on the parameters it sees) never reset them. beta is None: the EMA
-    weight is ``1 - step**beta2_decay``, a schedule (beta2 = 0.996 at step 1000, 0.9994 at 10,000 by default), not the
-    constant beta the stall theory and the drift shadow assume. That schedule is v's bias correction and ``step``
-    serves v alone (and the relative step size ``min(lr, 1/sqrt(step))``), so a v reset zeroes every factor and
-    ``step``: the exact fresh state, whose next step writes ``v = g**2`` (beta2 = 0 at step 1); Adafactor's update
-    clipping (RMS at most ``d``) bounds that step as it bounds a fresh optimizer's first.
+    Vectors keep ``variance`` (one value per element): a v slot. Matrices keep ``row_var`` and ``col_var`` (the last
+    two dims factored): two v slots, :class:`FactorSlot`. beta is None: beta2 is ``1 - step**beta2_decay``, a schedule
+    (0 at step 1, 0.996 at step 1000, 0.9994 at 10,000 by default), not the constant beta the stall theory and the
+    drift shadow assume. That schedule is v's bias correction and ``step`` serves v alone (and the relative step size
+    ``min(lr, 1/sqrt(step))``), so a v reset zeroes ``variance`` or both factors, and ``step``, in place: the exact
+    fresh state. Its next step (beta2 = 0) writes ``g**2`` (its row and column means) and takes a fresh optimizer's
+    first step, which update clipping bounds (RMS at most ``d * lr * max(eps2, RMS(param))``); past step ``1/lr**2``
+    the relative step size is then ``lr`` again, up to ``lr * sqrt(step)`` times the one before. A factor whose shard
+    does not spread over the parameter's shard is not read, warned once.
     """
 
     family = "torch.optim"
     exact_moment_reset = True
 
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        self._unread: set[tuple[int, str]] = set()  # (parameter, factor) pairs warned about
+
     def slots(self) -> list[Slot]:
-        return [float_slot(p, state, "variance", "v", None) for _, p, state in self.stepped() if "variance" in state]
+        out: list[Slot] = []
+        for _, p, state in self.stepped():
+            if "variance" in state:
+                out.append(float_slot(p, state, "variance", "v", None))
+            for key in ("row_var", "col_var"):
+                if key in state:
+                    out.extend(self._factor_slot(p, state, key))
+        return out
+
+    def _factor_slot(self, p: Tensor, state: dict, key: str) -> list[Slot]:
+        """``state[key]`` as a :class:`FactorSlot`, or none (warned once) where its shard does not spread over the
+        parameter's (each dim 1 or the parameter's)."""
+        slot = float_slot(p, state, key, "v", None, FactorSlot)
+        shard = local_tensor(p).shape
+        if slot.tensor.dim() == len(shard) and all(f in (1, n) for f, n in zip(slot.tensor.shape, shard)):
+            return [slot]
+        if (id(p), key) not in self._unread:
+            self._unread.add((id(p), key))
+            index = next(i for i, q in enumerate(q for g in self.optimizer.param_groups for q in g["params"]) if q is p)
+            warnings.warn(f"Adafactor: parameter {index} (shape {tuple(shard)}): its {key} here has shape "
+                          f"{tuple(slot.tensor.shape)}, which does not spread over the parameter's shard; it is not "
+                          "measured on this process", stacklevel=3)
+        return []
 
     def reset(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
         if "v" not in resolve_moments(moments):

@@ -33,7 +33,8 @@ class Batch:
     units: list[Unit]
     k: int
     packed: tuple[bool, ...]  # per slot row: two 4-bit codes per byte (QuantizedAdamW's moments may differ)
-    code_views: list[Tensor]  # k * len(units) strided views of the state, slot-major: valid while tensors are kept
+    code_views: list[Tensor | None]  # k * len(units) strided views of the state, slot-major: valid while tensors are
+    # kept; None for a gathered slot (read at every snapshot)
     lengths: list[int]  # sampled elements per unit
     last: Tensor  # index of each unit's last element in the concatenation
     rows: Tensor  # (k * units,) row of each slot in this device's totals matrix, slot-major
@@ -44,6 +45,7 @@ class Batch:
     global_rows: np.ndarray  # (k * units,) rows in the engine's row order (host)
     positions: np.ndarray  # (k * units,) unit positions (host)
     is_v: np.ndarray  # (k * units,) second moments (host)
+    gathered: bool  # some slot's sampled codes are a copy (Slot.gathered), read at every snapshot
     uniform: bool = field(init=False)  # every row packed alike: the raw views concatenate as they are
 
     def __post_init__(self) -> None:
@@ -66,13 +68,21 @@ class Batch:
         """Bytes of the batch's host arrays."""
         return self.global_rows.nbytes + self.positions.nbytes + self.is_v.nbytes
 
+    def views(self) -> list[Tensor]:
+        """The sampled codes of every slot row as stored now: the kept views, and the gathered slots' read afresh."""
+        if not self.gathered:
+            return self.code_views
+        entries = self.entries
+        return [entries[j].slot.sampled_codes(entries[j].unit.sample) if view is None else view
+                for j, view in enumerate(self.code_views)]
+
     def snapshot(self) -> Tensor:
         """The sampled codes as stored now, concatenated: the views as they are when every row has the same packing
         (one kernel), else each view as one code per element (packed and unpacked rows have different widths)."""
         if self.uniform:
-            return torch.cat(self.code_views)
+            return torch.cat(self.views())
         n = len(self.units)
-        return torch.cat([flat_codes(view, self.packed[j // n]) for j, view in enumerate(self.code_views)])
+        return torch.cat([flat_codes(view, self.packed[j // n]) for j, view in enumerate(self.views())])
 
     def codes(self, snapshot: Tensor) -> Tensor:
         """A :meth:`snapshot` as ``(k, elements)``, one code per element."""
@@ -109,14 +119,14 @@ def _batch(units: list[Unit], local_row: dict[str, int]) -> Batch:
         zero_codes = torch.tensor([[z or 0] for z in zeros], device=device)
     return Batch(
         units, k, tuple(e.slot.packed for e in units[0].entries),
-        [e.slot.sampled_codes(e.unit.sample) for e in entries], lengths,
+        [None if e.slot.gathered else e.slot.sampled_codes(e.unit.sample) for e in entries], lengths,
         torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64, device=device),
         torch.tensor([local_row[e.key] for e in entries], dtype=torch.int64, device=device),
         torch.tensor(weights, dtype=torch.float64, device=device), zero_codes, [z is not None for z in zeros],
         sum(lengths) / len(lengths) >= PER_SLOT_COUNTS,
         np.array([e.row for e in entries], dtype=np.int64),
         np.array([e.unit.position for e in entries], dtype=np.int64),
-        np.array([e.moment == "v" for e in entries], dtype=bool))
+        np.array([e.moment == "v" for e in entries], dtype=bool), any(e.slot.gathered for e in entries))
 
 
 class Counts:
@@ -195,11 +205,12 @@ class Counts:
             masks.append((magnitude > 0).logical_and_(magnitude < math.inf))
             n_counted.append(torch.count_nonzero(masks[-1]))
         none = n_counted[0].new_zeros(())
+        views = batch.views()
         counts = []
         for i in range(batch.k):
             zero = None if batch.zero_codes is None else batch.zero_codes[i]
             for j, mask in enumerate(masks):
-                new = flat_codes(batch.code_views[i * n + j], batch.packed[i])
+                new = flat_codes(views[i * n + j], batch.packed[i])
                 stalled = torch.count_nonzero((new == prev_parts[j][i]).logical_and_(mask))
                 underflow = torch.count_nonzero((new == (0 if zero is None else zero)).logical_and_(mask)) \
                     if batch.underflow_rows[i] else none
