@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from lightning_stale.adapters.protocol import Slot
+from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.units import Unit, driver_slot
 
 NO_PERIOD = -1
@@ -120,11 +121,15 @@ class ResetSchedule:
 
     def _clear(self) -> None:
         self.units: list[ResetUnit] = []
-        self.keys: list[str] = []
+        self.rows: KeyedRows[dict[str, Any]] = KeyedRows()  # each row's key; fields of parameters not synced now
         self.arrays: dict[str, np.ndarray] = {name: np.zeros(0, dtype=kind) for name, (kind, _) in FIELDS.items()}
         self.sources: list[str] = []  # why each period was chosen ("" until the policy configured the unit)
         self.betas = np.zeros(0)  # beta of each driver slot (nan when it is not an EMA)
-        self._restored: dict[str, dict[str, Any]] = {}  # fields of parameters not (or no longer) synced, by key
+
+    @property
+    def keys(self) -> list[str]:
+        """The parameter key of each row."""
+        return self.rows.keys
 
     def sync(self, units: list[Unit], initial_age: Callable[[Unit], int] | None = None) -> list[ResetUnit]:
         """Align with the engine's units (same order), keeping each known parameter's fields; returns the new ones.
@@ -132,19 +137,20 @@ class ResetSchedule:
         A new parameter takes its fields from a loaded checkpoint (or from before its state went away) when there is
         one, else starts at ``initial_age(unit)`` (the age of optimizer state that existed before monitoring began)
         or 0."""
-        old = {key: i for i, key in enumerate(self.keys)}
         arrays = {name: np.full(len(units), default, dtype=kind) for name, (kind, default) in FIELDS.items()}
         sources = [""] * len(units)
         fresh: list[int] = []
+        # a parameter whose state went away (a reset that deletes a buffer) keeps its history for when it returns
+        moves = self.rows.rebuild([u.key for u in units], self._saved)
         for i, unit in enumerate(units):
-            if unit.key in old:
-                j = old[unit.key]
+            if unit.key in moves.kept:
+                j = moves.kept[unit.key]
                 for name in FIELDS:
                     arrays[name][i] = self.arrays[name][j]
                 sources[i] = self.sources[j]
             else:
                 fresh.append(i)
-                restored = self._restored.pop(unit.key, None)
+                restored = moves.returned.get(unit.key)
                 if restored is None and initial_age is not None:
                     arrays["age"][i] = initial_age(unit)
                 for name in HISTORY + ("period",) if restored is not None else ():
@@ -152,15 +158,14 @@ class ResetSchedule:
                         arrays[name][i] = restored[name]
                 if restored is not None and "period" in restored:  # the period the same policy chose
                     sources[i] = restored.get("period_source", "")
-        kept = {u.key for u in units}
-        for key, j in old.items():  # a parameter whose state went away (a reset that deletes a buffer) keeps its history
-            if key not in kept:
-                self._restored[key] = {**{name: self.arrays[name][j].item() for name in FIELDS},
-                                       "period_source": self.sources[j]}
-        self.arrays, self.sources, self.keys = arrays, sources, [u.key for u in units]
+        self.arrays, self.sources = arrays, sources
         self.units = [ResetUnit(self, i, unit) for i, unit in enumerate(units)]
         self.betas = np.array([_beta(u.driver()) for u in self.units], dtype=np.float64)
         return [self.units[i] for i in fresh]
+
+    def _saved(self, key: str, row: int) -> dict[str, Any]:
+        """Every field of the parameter at ``row`` (what is stashed and saved of it)."""
+        return {**{name: self.arrays[name][row].item() for name in FIELDS}, "period_source": self.sources[row]}
 
     @classmethod
     def of(cls, n: int, **fields: Any) -> ResetSchedule:
@@ -170,7 +175,8 @@ class ResetSchedule:
         schedule.arrays = {name: np.full(n, default, dtype=kind) for name, (kind, default) in FIELDS.items()}
         for name, values in fields.items():
             schedule.arrays[name][:] = values
-        schedule.sources, schedule.keys = [""] * n, [str(i) for i in range(n)]
+        schedule.sources = [""] * n
+        schedule.rows.rebuild([str(i) for i in range(n)], schedule._saved)
         return schedule
 
     def resident_bytes(self) -> int:
@@ -250,18 +256,21 @@ class ResetSchedule:
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Every parameter's fields by key (with what a loaded checkpoint holds for parameters not seen again yet)."""
-        live = {key: {**{name: self.arrays[name][i].item() for name in FIELDS}, "period_source": self.sources[i]}
-                for i, key in enumerate(self.keys)}
-        return {**self._restored, **live}
+        return self.rows.state_dict({key: self._saved(key, i) for i, key in enumerate(self.keys)})
 
-    def load_state_dict(self, state: dict[str, Any], periods: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt the measured history of a checkpoint (ages, reset counts, warm-up, adaptive accumulators, rho-hat
-        estimates) in place of what the schedule held; each parameter takes its part when it is next synced. With
-        ``periods`` (the checkpoint's policy is the one configured now) the periods it chose continue; otherwise the
-        policy configured now chooses them."""
+        estimates, periods) in place of what the schedule held; each parameter takes its part when it is next
+        synced."""
         self._clear()
-        dropped = () if periods else ("period", "period_source")
-        self._restored = {key: {k: v for k, v in fields.items() if k not in dropped} for key, fields in state.items()}
+        self.rows.restart(state)
+
+
+def without_periods(state: dict[str, Any]) -> dict[str, Any]:
+    """A saved schedule without the periods its policy chose: what a resume under another policy loads (that policy
+    chooses them anew)."""
+    return {key: {name: value for name, value in fields.items() if name not in ("period", "period_source")}
+            for key, fields in state.items()}
 
 
 def _beta(slot: Slot | None) -> float:

@@ -74,7 +74,6 @@ class StallEngine:
         self.counts = Counts(recent_readers)
         self.panel = DriftPanel(exact)
         self._batches: dict[int, list[Batch]] = {}
-        self._restored: dict[str, dict[str, Any]] = {"totals": {}, "shadows": {}}
         self._prev: list[Tensor] | None = None
         self._prev_cohort = -1
         self._placeholders: dict = {}
@@ -124,9 +123,9 @@ class StallEngine:
                 entry = entries[key] = Entry(key, len(entries), unit, weight)
                 unit.entries.append(entry)
         old_entries, self.entries, self.units = self.entries, entries, list(units.values())
-        self.counts.rebuild(old_entries, entries, self._restored["totals"])
+        self.counts.rebuild(entries)
         self._build_cohorts()
-        self.panel.rebuild(self.units, old_entries, fresh_state, self._restored["shadows"])
+        self.panel.rebuild(self.units, old_entries, fresh_state)
         self.version += 1
         return True
 
@@ -259,8 +258,7 @@ class StallEngine:
     def state_dict(self) -> dict[str, Any]:
         """The cohort cursor, each slot's unlogged counts and its drift shadow (with what a loaded checkpoint holds
         for slots that have not appeared yet)."""
-        return {"cursor": self.cursor, "totals": {**self._restored["totals"], **self.counts.state_dict(self.entries)},
-                "shadows": {**self._restored["shadows"], **self.panel.state_dict()}}
+        return {"cursor": self.cursor, "totals": self.counts.state_dict(), "shadows": self.panel.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], counts: bool = True, shadows: bool = True) -> None:
         """Adopt a checkpoint's histories; each slot's part is applied when the slot appears (the slots are rebuilt
@@ -269,12 +267,10 @@ class StallEngine:
         The cohort cursor is shared by every process; the unlogged ``counts`` and the drift ``shadows`` describe the
         saving process's own samples and shards, so the monitor leaves them out where they are not this process's."""
         self.cursor = int(state["cursor"])
-        self._restored = {"totals": dict(state["totals"]) if counts else {},
-                          "shadows": dict(state["shadows"]) if shadows else {}}
         self._n_state = -1
         self.entries, self.units = {}, []
-        self.counts.rebuild({}, {}, {})
-        self.panel.clear()
+        self.counts.load_state_dict(state["totals"] if counts else {})
+        self.panel.load_state_dict(state["shadows"] if shadows else {})
 
 
 def _layout(slots: object) -> list[tuple[int, str, tuple[int, ...]]]:

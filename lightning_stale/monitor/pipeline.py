@@ -18,7 +18,7 @@ from lightning_stale.act.weights import writeback_for
 from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.decide import weight_theory
 from lightning_stale.decide.forecast import StallForecast, to_host
-from lightning_stale.decide.ledger import ResetSchedule, ResetUnit
+from lightning_stale.decide.ledger import ResetSchedule, ResetUnit, without_periods
 from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.monitor.announcement import fit_start_report, period_report, weight_report
@@ -278,8 +278,8 @@ class OptimizerTrack:
         shadows are this process's (see the monitor); ``periods``: whether the saved periods continue."""
         self.steps = int(state["steps"])
         self.engine.load_state_dict(state["engine"], counts=counts, shadows=shadows)
-        self.forecast.load_state_dict(state["forecast"], window=counts)
-        self.schedule.load_state_dict(state["schedule"], periods=periods)
+        self.forecast.load_state_dict(state["forecast"] if counts else {})
+        self.schedule.load_state_dict(state["schedule"] if periods else without_periods(state["schedule"]))
         self.interventions.load_state_dict(state["interventions"])
         if self.writeback is not None and "weights" in state:
             self.writeback.load_state_dict(state["weights"])
