@@ -72,8 +72,11 @@ def test_forecast_knows_rho_hat_of_float_formats_in_closed_form() -> None:
     rho, state = track.schedule.arrays["rho"], track.schedule.arrays["rho_state"]
     assert np.all(state == RHO_FINAL)
     assert np.all(rho[:3] > 1) and math.isnan(rho[3])  # bf16 at beta2 = 0.999 stalls; the 2-element bias stays fp32
-    predicted = track.forecast.take_window(track.engine.entries)
-    assert predicted.shape[0] == len(track.engine.entries)
+    predicted = track.forecast.window(track.engine.entries)
+    assert predicted.shape[0] == len(track.engine.entries) and predicted[:, 1].sum() > 0
+    assert np.array_equal(track.forecast.window(track.engine.entries), predicted)  # a readout
+    track.forecast.reset_window(track.engine.entries)
+    assert not track.forecast.window(track.engine.entries).any()
 
 
 def test_pipeline_counts_only_steps_that_ran() -> None:

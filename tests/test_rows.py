@@ -31,6 +31,7 @@ def test_keeps_rows_by_key_stashes_departed_ones_and_returns_them() -> None:
     moves = rows.rebuild(["c", "a"], save)  # b went away: read from its old row into the stash
     assert moves.kept == {"c": 2, "a": 0} and saved == [("b", 1)] and rows.stash == {"b": "values of b"}
     assert "a" in rows and "b" not in rows and rows.row("a") == 1
+    assert rows.peek("b") == "values of b" and rows.peek("d") is None and "b" in rows.stash  # peeking leaves it
     moves = rows.rebuild(["b", "c", "a"], save)  # b returns with its values, which leave the stash
     assert moves.returned == {"b": "values of b"} and moves.kept == {"c": 0, "a": 1} and rows.stash == {}
 
@@ -117,21 +118,42 @@ def test_drift_panel_stashes_the_shadow_of_a_departed_slot_and_restores_it() -> 
     assert all(restored[k].dtype == torch.float32 and torch.equal(restored[k], shadows[k]) for k in shadows)
 
 
+def _forecast(entries: dict) -> tuple[StallForecast, np.ndarray]:
+    """A forecast aligned with ``entries`` whose prediction sums are 0, 1, 2, ... row by row."""
+    forecast = StallForecast(Collective(None), lambda key, message: None, lambda unit: "")
+    forecast.align(entries)
+    values = np.arange(2.0 * len(entries)).reshape(-1, 2)
+    forecast.sums[:] = values
+    return forecast, values
+
+
 def test_forecast_carries_and_restores_prediction_sums() -> None:
     engine, _ = _engine()
     entries = engine.entries
-    forecast = StallForecast(Collective(None), lambda key, message: None, lambda unit: "")
-    forecast.align(entries)
-    forecast.sums[:] = np.arange(2 * len(entries)).reshape(-1, 2)
     first = next(iter(entries))
-    forecast.align(_subset(entries, lambda key: key != first))
-    assert forecast.state_dict()["window"][first] == [0.0, 1.0]
-    forecast.align(entries)
-    assert forecast.sums.tolist() == np.arange(2 * len(entries)).reshape(-1, 2).tolist()
+    forecast, values = _forecast(entries)
+    forecast.align(_subset(entries, lambda key: key != first))  # the first slot went away: its sums are stashed
+    assert forecast.sums.tolist() == values[1:].tolist() and forecast.rows.stash == {first: [0.0, 1.0]}
+    forecast.align(entries)  # and come back with it
+    assert forecast.sums.tolist() == values.tolist() and not forecast.rows.stash
     loaded = StallForecast(Collective(None), lambda key, message: None, lambda unit: "")
     loaded.load_state_dict(forecast.state_dict())
     loaded.align(entries)
-    assert loaded.sums.tolist() == forecast.sums.tolist()
+    assert loaded.sums.tolist() == values.tolist()
+
+
+def test_forecast_window_is_a_readout_even_when_the_slots_changed() -> None:
+    engine, _ = _engine()
+    entries = engine.entries
+    first = next(iter(entries))
+    others = _subset(entries, lambda key: key != first)
+    forecast, values = _forecast(entries)
+    forecast.align(others)
+    window = forecast.window(entries)  # the slots changed without an align (a skipped hook): read as aligned
+    assert window.tolist() == values.tolist() and forecast.window(entries).tolist() == window.tolist()
+    assert forecast.rows.keys == list(others) and first in forecast.rows.stash  # nothing moved
+    forecast.reset_window(entries)  # aligns, then starts a new window
+    assert forecast.rows.keys == list(entries) and not forecast.sums.any() and not forecast.rows.stash
 
 
 def test_ledger_loads_a_state_without_the_periods_another_policy_chose() -> None:

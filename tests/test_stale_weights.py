@@ -39,7 +39,7 @@ def test_weight_stall_equals_an_independent_count(track, tolerance):
         before = [p.detach().clone() for p in model.parameters()]
         _step(model, opt, gen)
         if step == 19:
-            monitor.compute()  # the logged window is steps 20-39
+            monitor.reset_window()  # the logged window is steps 20-39
         if step >= 20:
             for old, p in zip(before, model.parameters()):
                 moved = (old.view(torch.int16) != p.detach().view(torch.int16))

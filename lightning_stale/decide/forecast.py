@@ -142,14 +142,23 @@ class StallForecast:
                 sums[entry.row] = moves.returned[entry.key]
         self.sums = sums
 
-    def take_window(self, entries: dict[str, Entry]) -> np.ndarray:
-        """(sum, count) of the predictions of every slot row of ``entries`` (the engine's) since the previous call;
-        starts a new window."""
-        if self.rows.keys != list(entries):  # the slots changed since the last step (e.g. a hook was skipped)
-            self.align(entries)
-        window = self.sums.copy()
-        self.sums[:] = 0.0
+    def window(self, entries: dict[str, Entry]) -> np.ndarray:
+        """(sum, count) of the predictions of every slot row of ``entries`` (the engine's) since the last
+        :meth:`reset_window`; a readout (the sums are left as they are)."""
+        if self.rows.keys == list(entries):
+            return self.sums.copy()
+        window = np.zeros((len(entries), 2))  # the slots changed since the last step (e.g. a hook was skipped)
+        for entry in entries.values():
+            saved = self.sums[self.rows.row(entry.key)] if entry.key in self.rows else self.rows.peek(entry.key)
+            if saved is not None:
+                window[entry.row] = saved
         return window
+
+    def reset_window(self, entries: dict[str, Entry]) -> None:
+        """Start a new window of predictions for the slot rows of ``entries`` (the stash keeps its sums)."""
+        if self.rows.keys != list(entries):
+            self.align(entries)
+        self.sums[:] = 0.0
 
     def resident_bytes(self) -> int:
         """Bytes of the host arrays kept between steps."""

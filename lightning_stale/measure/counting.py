@@ -215,16 +215,20 @@ class Counts:
         if self.readers:  # unweighted, with the same rows dropped from the underflow column
             self.recent[batch.device].index_add_(0, batch.rows, sums * (batch.weights > 0))
 
-    def take_window(self) -> Tensor:
-        """Per-slot totals since the previous call, (rows, N_STATS) float64 on the host in row order; starts a new
-        window (one host read per device)."""
+    def window(self) -> Tensor:
+        """Per-slot totals since the last :meth:`reset_window`, (rows, N_STATS) float64 on the host in row order (one
+        host read per device; the sums are left as they are)."""
         totals = torch.zeros(len(self.measured), N_STATS, dtype=torch.float64)
         for device, local in self.totals.items():
             totals[self._device_rows[device], :MEASURED] = local.cpu()
-            local.zero_()
         totals[:, MEASURED] = torch.from_numpy(self.measured)
-        self.measured[:] = 0.0
         return totals
+
+    def reset_window(self) -> None:
+        """Start a new window: zero the per-slot totals (the stash of slots not held now keeps its sums)."""
+        for local in self.totals.values():
+            local.zero_()
+        self.measured[:] = 0.0
 
     def take_recent(self, reader: str) -> np.ndarray:
         """Unweighted (stalled, counted, underflow) sums of every slot since ``reader``'s previous call, (rows, 3) on

@@ -192,9 +192,13 @@ class StallEngine:
 
     # -- readouts ----------------------------------------------------------------------------------------------------
     def window(self) -> Tensor:
-        """Per-slot totals since the previous call, (rows, N_STATS) float64 on the host in row order; the call starts
-        a new window."""
-        return self.counts.take_window()
+        """Per-slot totals since the last :meth:`reset_window`, (rows, N_STATS) float64 on the host in row order (a
+        readout: calling it again gives the same totals)."""
+        return self.counts.window()
+
+    def reset_window(self) -> None:
+        """Start a new window of per-slot totals."""
+        self.counts.reset_window()
 
     def take_recent(self, reader: str) -> np.ndarray:
         """Sampled (stalled, counted, underflow) counts of every slot since ``reader``'s previous call, (rows, 3) on

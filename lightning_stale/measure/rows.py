@@ -52,6 +52,10 @@ class KeyedRows(Generic[Row]):
         self.keys, self._row = keys, {key: i for i, key in enumerate(keys)}
         return moves
 
+    def peek(self, key: str) -> Row | None:
+        """The stashed values of ``key`` (left in the stash), or None."""
+        return self.stash.get(key)
+
     def restart(self, saved: Mapping[str, Row]) -> None:
         """Hold no row and stash ``saved`` (a checkpoint's rows, each taken when its key appears)."""
         self.keys, self._row, self.stash = [], {}, dict(saved)

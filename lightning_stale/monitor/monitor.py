@@ -57,6 +57,7 @@ class StaleStateMonitor:
             optimizer.zero_grad()
             if step % 50 == 0:
                 print(monitor.compute())  # or writer.add_scalars / wandb.log / fabric.log_dict
+                monitor.reset_window()  # the next row covers the next 50 steps
         monitor.close()
 
     Args:
@@ -147,7 +148,8 @@ class StaleStateMonitor:
 
     # -- metrics -----------------------------------------------------------------------------------------------------
     def compute(self) -> dict[str, float]:
-        """The metrics of every measured step since the previous call, summed across ranks; starts a new window.
+        """The metrics of every measured step since the last :meth:`reset_window`, summed across ranks. A readout:
+        calling it again gives the same row; call :meth:`reset_window` after logging a row to start the next one.
 
         A collective when ``reduce`` is set: call it on every rank at the same steps.
         """
@@ -162,7 +164,7 @@ class StaleStateMonitor:
         per_param: dict[str, float] = {}
         for t in self._tracks:
             engine = t.engine
-            totals, predicted = engine.window(), t.forecast.take_window(engine.entries)
+            totals, predicted = engine.window(), t.forecast.window(engine.entries)
             predicted += t.weight_predictions(totals[:, metrics.COUNTED].numpy() > 0)
             drift = [(engine.entries[k].moment, value, engine.drift_weight(k)) for k, value in engine.drift().items()]
             vector += metrics.moment_vector(totals, [e.moment for e in engine.entries.values()], drift, predicted)
@@ -185,6 +187,12 @@ class StaleStateMonitor:
         if writebacks and row:
             row[metrics.key(prefix, metrics.REMEDY, metrics.WEIGHTS)] = float(sum(w.handled for w in writebacks))
         return row, per_param
+
+    def reset_window(self) -> None:
+        """Start a new window: the next :meth:`compute` covers only the steps after this call (the optimizer states
+        and the reset bookkeeping are untouched)."""
+        for t in self._tracks:
+            t.reset_window()
 
     # -- lifecycle and state -----------------------------------------------------------------------------------------
     def close(self) -> None:

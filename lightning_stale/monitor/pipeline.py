@@ -247,6 +247,11 @@ class OptimizerTrack:
             out[rows] = to_host(sums)
         return out
 
+    def reset_window(self) -> None:
+        """Start a new window of counts and predicted stalls (what the monitor's ``compute()`` reads)."""
+        self.engine.reset_window()
+        self.forecast.reset_window(self.engine.entries)
+
     def close(self) -> None:
         """Remove the write-back's hooks (restoring the real lr)."""
         if self.writeback is not None:
