@@ -11,11 +11,11 @@ from torch import nn
 
 from lightning_stale import StaleStateMonitor
 from lightning_stale.decide.ledger import RHO_FINAL, ResetSchedule
-from lightning_stale.monitor.pipeline import OptimizerTrack
+from lightning_stale.monitor.pipeline import OptimizerPipeline
 from lightning_stale.optim import QuantizedAdamW
 
 
-def _pipeline(state_format: str = "bf16", steps: int = 3, **options) -> tuple[OptimizerTrack, nn.Module]:
+def _pipeline(state_format: str = "bf16", steps: int = 3, **options) -> tuple[OptimizerPipeline, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
     optimizer = QuantizedAdamW(model.parameters(), lr=1e-2, state_format=state_format, min_quantized_size=16,
@@ -26,7 +26,7 @@ def _pipeline(state_format: str = "bf16", steps: int = 3, **options) -> tuple[Op
         optimizer.step()
         optimizer.zero_grad()
     monitor.close()
-    return monitor._tracks[0], model
+    return monitor._pipelines[0], model
 
 
 def test_ledger_carries_rows_by_key_and_stashes_departed_ones() -> None:

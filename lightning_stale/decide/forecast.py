@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from lightning_stale.decide import slot_theory
-from lightning_stale.decide.ledger import RHO_FINAL, RHO_PENDING, RHO_TRACKING, ResetSchedule, ResetUnit
+from lightning_stale.decide.ledger import RHO_FINAL, RHO_PENDING, RHO_TRACKING, LedgerRow, ResetSchedule
 from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.units import Entry
@@ -40,7 +40,7 @@ class StallForecast:
     """
 
     def __init__(self, collective: Collective, warn: Callable[[str, str], None],
-                 name: Callable[[ResetUnit], str]) -> None:
+                 name: Callable[[LedgerRow], str]) -> None:
         self.collective = collective
         self._warn, self._name = warn, name
         self.pending: set[int] = set()  # positions whose rho-hat is unknown or a young state's: every check
@@ -68,7 +68,7 @@ class StallForecast:
             else:
                 schedule.set_rho(unit.position, math.nan if rho is None else rho, RHO_FINAL)
 
-    def waiting(self, unit: ResetUnit) -> bool:
+    def waiting(self, unit: LedgerRow) -> bool:
         """Whether the parameter still waits for its first rho-hat (its period cannot be chosen yet)."""
         return unit.position in self.pending and unit.rho is None
 
@@ -78,7 +78,7 @@ class StallForecast:
         tracked = sorted(self.tracked)[checks % TRACKING_ROTATION::TRACKING_ROTATION]
         return sorted(self.pending) + tracked
 
-    def estimate(self, schedule: ResetSchedule, positions: list[int]) -> list[ResetUnit]:
+    def estimate(self, schedule: ResetSchedule, positions: list[int]) -> list[LedgerRow]:
         """(Re-)estimate the rho-hat of the parameters at ``positions`` (pending or tracked), agreed across ranks
         (one host read per device, one collective); returns those whose period is to be chosen again: a changed
         estimate of a young state, or the first of a settled one (a settled parameter keeps its period). The same on

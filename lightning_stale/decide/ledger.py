@@ -3,7 +3,7 @@ of check steps and the automatic remedy's choice; arrays over parameters.
 
 One :class:`ResetSchedule` per optimizer. Its per-parameter fields are numpy arrays so that the per-step work
 (every age advances, built-in policies compare ages with periods) is a few vectorized operations whatever the number
-of parameters; a policy sees one parameter through a :class:`ResetUnit`, a view into those arrays. Only this module
+of parameters; a policy sees one parameter through a :class:`LedgerRow`, a view into those arrays. Only this module
 writes the arrays: the other components call the schedule's named mutators, and policies write the fields that are
 theirs (``period``, ``period_source``, ``accumulator``, ``measured``) through the unit.
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from lightning_stale.adapters.protocol import Slot
 from lightning_stale.measure.rows import KeyedRows
-from lightning_stale.measure.units import Unit, driver_slot
+from lightning_stale.measure.units import TrackedParam, driver_slot
 
 NO_PERIOD = -1
 
@@ -53,18 +53,18 @@ HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "mea
 RHO_PENDING, RHO_FINAL, RHO_TRACKING = range(3)
 
 
-class ResetUnit:
+class LedgerRow:
     """One parameter as a policy sees it: its slots and its bookkeeping fields (read and written in place)."""
 
-    def __init__(self, schedule: ResetSchedule, index: int, unit: Unit) -> None:
-        self._schedule, self.position, self._unit = schedule, index, unit
+    def __init__(self, schedule: ResetSchedule, position: int, tracked: TrackedParam) -> None:
+        self._schedule, self.position, self._tracked = schedule, position, tracked
 
-    key = property(lambda self: self._unit.key)
-    param = property(lambda self: self._unit.param)
+    key = property(lambda self: self._tracked.key)
+    param = property(lambda self: self._tracked.param)
 
     @property
     def slots(self) -> list[Slot]:
-        return self._unit.slots
+        return self._tracked.slots
 
     def driver(self) -> Slot | None:
         """The slot whose staleness drives the decision: the second moment when there is one, else the first."""
@@ -93,14 +93,14 @@ class ResetUnit:
         self._schedule.sources[self.position] = value
 
     def __repr__(self) -> str:
-        return f"ResetUnit({self.key!r}, age={self.age}, period={self.period})"
+        return f"LedgerRow({self.key!r}, age={self.age}, period={self.period})"
 
 
 def _field(name: str, kind: type, writable: bool) -> property:
-    def get(self: ResetUnit) -> Any:
+    def get(self: LedgerRow) -> Any:
         return kind(self._schedule.arrays[name][self.position])
 
-    def set(self: ResetUnit, value: Any) -> None:
+    def set(self: LedgerRow, value: Any) -> None:
         self._schedule.arrays[name][self.position] = value
 
     return property(get, set if writable else None)
@@ -108,9 +108,9 @@ def _field(name: str, kind: type, writable: bool) -> property:
 
 POLICY_FIELDS = ("measured", "accumulator")  # the fields a policy keeps itself (besides its period)
 for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "remedy", "rho_state"):
-    setattr(ResetUnit, _name, _field(_name, int, _name in POLICY_FIELDS))
+    setattr(LedgerRow, _name, _field(_name, int, _name in POLICY_FIELDS))
 for _name in ("accumulator", "drift", "underflow", "weight_stall"):
-    setattr(ResetUnit, _name, _field(_name, float, _name in POLICY_FIELDS))
+    setattr(LedgerRow, _name, _field(_name, float, _name in POLICY_FIELDS))
 
 
 class ResetSchedule:
@@ -120,7 +120,7 @@ class ResetSchedule:
         self._clear()
 
     def _clear(self) -> None:
-        self.units: list[ResetUnit] = []
+        self.units: list[LedgerRow] = []
         self.rows: KeyedRows[dict[str, Any]] = KeyedRows()  # each row's key; fields of parameters not synced now
         self.arrays: dict[str, np.ndarray] = {name: np.zeros(0, dtype=kind) for name, (kind, _) in FIELDS.items()}
         self.sources: list[str] = []  # why each period was chosen ("" until the policy configured the unit)
@@ -131,7 +131,8 @@ class ResetSchedule:
         """The parameter key of each row."""
         return self.rows.keys
 
-    def sync(self, units: list[Unit], initial_age: Callable[[Unit], int] | None = None) -> list[ResetUnit]:
+    def sync(self, units: list[TrackedParam],
+             initial_age: Callable[[TrackedParam], int] | None = None) -> list[LedgerRow]:
         """Align with the engine's units (same order), keeping each known parameter's fields; returns the new ones.
 
         A new parameter takes its fields from a loaded checkpoint (or from before its state went away) when there is
@@ -159,7 +160,7 @@ class ResetSchedule:
                 if restored is not None and "period" in restored:  # the period the same policy chose
                     sources[i] = restored.get("period_source", "")
         self.arrays, self.sources = arrays, sources
-        self.units = [ResetUnit(self, i, unit) for i, unit in enumerate(units)]
+        self.units = [LedgerRow(self, i, unit) for i, unit in enumerate(units)]
         self.betas = np.array([_beta(u.driver()) for u in self.units], dtype=np.float64)
         return [self.units[i] for i in fresh]
 
@@ -217,7 +218,7 @@ class ResetSchedule:
         """Keep the parameters at ``rows`` under the underflow guard for at least ``steps`` more steps."""
         self.arrays["guard_left"][rows] = np.maximum(self.arrays["guard_left"][rows], steps)
 
-    def use_guard_step(self) -> list[ResetUnit]:
+    def use_guard_step(self) -> list[LedgerRow]:
         """The parameters inside a guard window, each window one step shorter afterwards."""
         rows = np.flatnonzero(self.arrays["guard_left"] > 0)
         self.arrays["guard_left"][rows] -= 1
@@ -230,7 +231,7 @@ class ResetSchedule:
         self.arrays["warmup_left"][position] -= 1
         return factor
 
-    def record_reset(self, units: list[ResetUnit], step: int, warmup_steps: int, guard_steps: int) -> None:
+    def record_reset(self, units: list[LedgerRow], step: int, warmup_steps: int, guard_steps: int) -> None:
         """Restart the cycle of ``units`` after their reset at optimizer step ``step``."""
         rows = np.array([u.position for u in units], dtype=np.int64)
         for name, value in (("age", 0), ("measured", 0), ("accumulator", 0.0), ("warmup_left", warmup_steps),
@@ -244,7 +245,7 @@ class ResetSchedule:
         """Some parameter is inside a post-reset warm-up."""
         return bool(self.arrays["warmup_left"].any())
 
-    def warming(self) -> list[ResetUnit]:
+    def warming(self) -> list[LedgerRow]:
         """Parameters inside a post-reset warm-up."""
         return [self.units[i] for i in np.flatnonzero(self.arrays["warmup_left"] > 0)]
 

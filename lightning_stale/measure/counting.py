@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_stale.formats.base import unpack_nibbles
 from lightning_stale.measure.rows import KeyedRows
-from lightning_stale.measure.units import Entry, Unit
+from lightning_stale.measure.units import Entry, TrackedParam
 
 STALLED, COUNTED, UNDERFLOW, MEASURED = range(4)  # columns of a window's per-slot totals (MEASURED: on the host)
 N_STATS = 4
@@ -32,7 +32,7 @@ class Batch:
     their sampled codes are concatenated slot by slot, ``(k, elements)``, and compared against one concatenated
     gradient sample, ``(elements,)``, that every slot row shares."""
 
-    units: list[Unit]
+    units: list[TrackedParam]
     k: int
     packed: tuple[bool, ...]  # per slot row: two 4-bit codes per byte (QuantizedAdamW's moments may differ)
     code_views: list[Tensor]  # k * len(units) strided views of the state, slot-major: valid while tensors are kept
@@ -81,10 +81,10 @@ class Batch:
         return (flat_codes(snapshot, self.packed[0]) if self.uniform else snapshot).view(self.k, -1)
 
 
-def plan_batches(units: list[Unit], sample_size: int, local_row: dict[str, int]) -> list[Batch]:
+def plan_batches(units: list[TrackedParam], sample_size: int, local_row: dict[str, int]) -> list[Batch]:
     """The batches of one cohort: its parameters grouped by layout (``local_row``: each slot's row in its device's
     totals matrix)."""
-    groups: dict[tuple, list[list[Unit]]] = {}
+    groups: dict[tuple, list[list[TrackedParam]]] = {}
     for unit in units:
         if unit.sample.count == 0:  # an empty (shard of a) parameter: nothing to read
             continue
@@ -99,7 +99,7 @@ def plan_batches(units: list[Unit], sample_size: int, local_row: dict[str, int])
     return [_batch(units, local_row) for split in groups.values() for units in split]
 
 
-def _batch(units: list[Unit], local_row: dict[str, int]) -> Batch:
+def _batch(units: list[TrackedParam], local_row: dict[str, int]) -> Batch:
     device, k = units[0].param.device, len(units[0].entries)
     lengths = [u.sample.numel for u in units]
     entries = [u.entries[i] for i in range(k) for u in units]

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.sampling import Sample
-from lightning_stale.measure.units import Entry, Unit, driver_group
+from lightning_stale.measure.units import Entry, TrackedParam, driver_group
 
 DRIFT_PARAMS = 4  # parameters with a drift shadow in sample mode
 DRIFT_SAMPLE = 128  # shadowed elements per slot
@@ -30,7 +30,7 @@ class Shadow:
     """fp32 shadow EMAs of panel parameters whose slots share a layout (device, sample shape, moments and betas):
     one row per slot, one gradient concatenation per step for all of them."""
 
-    units: list[Unit]
+    units: list[TrackedParam]
     samples: list[Sample]  # the shadowed prefix of each unit's sample
     squared: list[bool]  # per row: the EMA averages g**2 (a second moment) rather than g
     weight: Tensor  # (rows, 1): 1 - beta
@@ -51,7 +51,7 @@ class DriftPanel:
         self._shadows: list[Shadow] = []
         self._of: dict[str, tuple[Shadow, int, int]] = {}  # slot key -> (shadow, row, unit index)
 
-    def rebuild(self, units: list[Unit], old_entries: dict[str, Entry], fresh_state: bool) -> None:
+    def rebuild(self, units: list[TrackedParam], old_entries: dict[str, Entry], fresh_state: bool) -> None:
         """Choose the panel among ``units`` and build its shadows, carrying each kept slot's shadow (then a restored
         one: a slot that went away, or a loaded checkpoint's); a new slot starts from zero if its state was created by
         this step (``fresh_state``), else from its stored value. A slot that leaves the panel but not the optimizer
@@ -61,8 +61,8 @@ class DriftPanel:
             candidates.sort(key=lambda u: zlib.crc32(u.key.encode()))
             firsts = list({driver_group(u): u for u in reversed(candidates)}.values())
             candidates = (firsts + [u for u in candidates if u not in firsts])[:max(DRIFT_PARAMS, len(firsts))]
-            candidates.sort(key=lambda u: u.index)
-        groups: dict[tuple, list[Unit]] = {}
+            candidates.sort(key=lambda u: u.position)  # the param groups' order
+        groups: dict[tuple, list[TrackedParam]] = {}
         for unit in candidates:
             layout = tuple((e.moment, e.slot.beta) for e in unit.entries if e.slot.beta is not None)
             groups.setdefault((unit.param.device, unit.sample.full, layout), []).append(unit)

@@ -34,7 +34,7 @@ from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.measure.counting import Batch, Counts, plan_batches
 from lightning_stale.measure.drift import DriftPanel
 from lightning_stale.measure.sampling import choose_sample
-from lightning_stale.measure.units import Entry, Unit, driver_group, driver_slot, weight_slot
+from lightning_stale.measure.units import Entry, TrackedParam, driver_group, driver_slot, weight_slot
 from lightning_stale.vocab import WEIGHT
 
 # per parameter in a check step's vector: drift * weight, weight, v stored as zero, v counted, w stalled, w counted
@@ -65,12 +65,12 @@ class StallEngine:
         self.params_per_step = params_per_step
         self.coverage_steps = coverage_steps
         self.seed = seed
-        self.units: list[Unit] = []
+        self.units: list[TrackedParam] = []
         self.entries: dict[str, Entry] = {}
         self.version = 0  # bumped whenever the set of slots is rebuilt
         self.cursor = 0  # measured steps so far: picks the cohort
-        self.cohorts: list[list[Unit]] = []
-        self.measured_cohort: list[Unit] = []  # the parameters of the last measured step, empty shards included
+        self.cohorts: list[list[TrackedParam]] = []
+        self.measured_cohort: list[TrackedParam] = []  # the parameters of the last measured step, empty shards included
         self.counts = Counts(recent_readers)
         self.panel = DriftPanel(exact)
         self._batches: dict[int, list[Batch]] = {}
@@ -101,17 +101,16 @@ class StallEngine:
             self._watch -= 1
             if _layout(slots) == _layout(e.slot for e in self.entries.values() if e.moment != WEIGHT):
                 return False
-        units: dict[int, Unit] = {}
+        units: dict[int, TrackedParam] = {}
         entries: dict[str, Entry] = {}
         pairs = {id(s.param) for s in slots if s.packed}
         for slot in slots:
-            index = position[id(slot.param)]
             if id(slot.param) not in units:
-                key = f"{self.prefix}.{index}"
+                key = f"{self.prefix}.{position[id(slot.param)]}"
                 size = None if self.exact else self.sample_size
                 shard = local_tensor(slot.param)
                 sample = choose_sample(key, shard.shape, size, self.seed, pairs=id(slot.param) in pairs)
-                units[id(slot.param)] = Unit(key, index, len(units), slot.param, sample, shard.numel())
+                units[id(slot.param)] = TrackedParam(key, len(units), slot.param, sample, shard.numel())
             unit = units[id(slot.param)]
             key = f"{unit.key}.{slot.key}"
             entry = entries[key] = Entry(key, len(entries), unit, slot)
