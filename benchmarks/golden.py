@@ -82,7 +82,8 @@ def optimizer_digest(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict
 
 
 def run_loop(kind: str, dtype: torch.dtype, options: dict[str, Any]) -> dict[str, Any]:
-    """The documented plain loop: ``monitor.compute()`` every ``LOG_EVERY`` steps, a save/load round trip halfway."""
+    """The documented plain loop: ``monitor.compute()`` and ``monitor.reset_window()`` every ``LOG_EVERY`` steps, a
+    save/load round trip halfway."""
     model = make_model(dtype)
     optimizer = make_optimizer(kind, model.parameters())
     monitor = StaleStateMonitor(optimizer, names=model, coverage_steps=LOG_EVERY, **options)
@@ -95,6 +96,7 @@ def run_loop(kind: str, dtype: torch.dtype, options: dict[str, Any]) -> dict[str
         optimizer.zero_grad()
         if step % LOG_EVERY == 0:
             rows.append([step, digest(monitor.compute())])
+            getattr(monitor, "reset_window", lambda: None)()  # before reset_window(), compute() started the window
         if step == STEPS // 2:
             saved = monitor.state_dict()
             monitor.close()

@@ -77,6 +77,7 @@ def stall_check() -> None:
         opt.zero_grad()
         if probe:
             rows.append((step, exact.compute().get("stale/v/frac"), probe[-1]))
+            exact.reset_window()  # one step per row, like the probe
     exact.close()
     worst = max(abs(a - b) for _, a, b in rows if a is not None)
     print(f"bnb CUDA AdamW8bit, 200 steps: monitor exact vs clone-and-compare, largest difference {worst:.2e}; "

@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stale import StaleStateCallback
 from lightning_stale.act.guard import GuardPlan
-from lightning_stale.monitor.pipeline import OptimizerTrack
+from lightning_stale.monitor.pipeline import OptimizerPipeline
 from lightning_stale.optim import QuantizedAdamW
 
 TENSOR_COUNTS = (16, 128, 512, 1024)
@@ -128,11 +128,11 @@ class TimedCallback(StaleStateCallback):
 
     def on_train_start(self, trainer, pl_module):
         super().on_train_start(trainer, pl_module)
-        before, after = OptimizerTrack.before_step, OptimizerTrack.after_step
+        before, after = OptimizerPipeline.before_step, OptimizerPipeline.after_step
 
-        def timed_after(track):
+        def timed_after(pipeline):
             self.update[-1] += time.perf_counter() - self._update_start
-            return self._timed(after, track)
+            return self._timed(after, pipeline)
 
         def timed_guard(plan, *args, **kwargs):
             start = time.perf_counter()
@@ -140,15 +140,15 @@ class TimedCallback(StaleStateCallback):
             self.guard[-1] += time.perf_counter() - start
             return out
 
-        # the monitor's step hooks are its tracks' before_step and after_step: timed for this run
-        OptimizerTrack.before_step = lambda track: self._timed(before, track)
-        OptimizerTrack.after_step = timed_after
+        # the monitor's step hooks are its pipelines' before_step and after_step: timed for this run
+        OptimizerPipeline.before_step = lambda pipeline: self._timed(before, pipeline)
+        OptimizerPipeline.after_step = timed_after
         GuardPlan.run = timed_guard
         self._hooks = before, after
 
     def on_train_end(self, trainer, pl_module):
         GuardPlan.run = self._guard_run
-        OptimizerTrack.before_step, OptimizerTrack.after_step = self._hooks
+        OptimizerPipeline.before_step, OptimizerPipeline.after_step = self._hooks
         super().on_train_end(trainer, pl_module)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):

@@ -26,7 +26,8 @@ def main(steps: int = 200) -> dict[str, float]:
         optimizer.step()
         optimizer.zero_grad()
         if step % 50 == 0:
-            metrics = monitor.compute()  # everything measured since the last call: a dict of floats
+            metrics = monitor.compute()  # everything measured since the last reset_window(): a dict of floats
+            monitor.reset_window()  # the next row covers the next 50 steps
             print(step, {k: round(v, 4) for k, v in metrics.items() if k.endswith(("/frac", "/drift", "resets"))})
     buffer = io.BytesIO()  # checkpoint: the monitor's state next to the model's and the optimizer's
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "stale": monitor.state_dict()},

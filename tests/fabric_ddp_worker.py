@@ -57,6 +57,7 @@ def main(out: Path) -> None:
             next(iter(callback.monitors.values())).add_reset_listener(lambda event: resets.append(event.step))
         if step % EVERY == 0:
             rows.append(callback.compute())  # a collective: both ranks call it at the same steps
+            callback.reset_window()
     (out / f"rank{fabric.global_rank}.json").write_text(json.dumps(
         {"rank": fabric.global_rank, "rows": rows, "probe": probe, "resets": resets,
          "state": [float(s["state2"].float().sum()) for s in optimizer.optimizer.state.values()]}))

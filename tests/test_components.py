@@ -11,11 +11,11 @@ from torch import nn
 
 from lightning_stale import StaleStateMonitor
 from lightning_stale.decide.ledger import RHO_FINAL, ResetSchedule
-from lightning_stale.monitor.pipeline import OptimizerTrack
+from lightning_stale.monitor.pipeline import OptimizerPipeline
 from lightning_stale.optim import QuantizedAdamW
 
 
-def _pipeline(state_format: str = "bf16", steps: int = 3, **options) -> tuple[OptimizerTrack, nn.Module]:
+def _pipeline(state_format: str = "bf16", steps: int = 3, **options) -> tuple[OptimizerPipeline, nn.Module]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
     optimizer = QuantizedAdamW(model.parameters(), lr=1e-2, state_format=state_format, min_quantized_size=16,
@@ -26,7 +26,7 @@ def _pipeline(state_format: str = "bf16", steps: int = 3, **options) -> tuple[Op
         optimizer.step()
         optimizer.zero_grad()
     monitor.close()
-    return monitor._tracks[0], model
+    return monitor._pipelines[0], model
 
 
 def test_ledger_carries_rows_by_key_and_stashes_departed_ones() -> None:
@@ -72,8 +72,11 @@ def test_forecast_knows_rho_hat_of_float_formats_in_closed_form() -> None:
     rho, state = track.schedule.arrays["rho"], track.schedule.arrays["rho_state"]
     assert np.all(state == RHO_FINAL)
     assert np.all(rho[:3] > 1) and math.isnan(rho[3])  # bf16 at beta2 = 0.999 stalls; the 2-element bias stays fp32
-    predicted = track.forecast.take_window(track.engine.entries)
-    assert predicted.shape[0] == len(track.engine.entries)
+    predicted = track.forecast.window(track.engine.entries)
+    assert predicted.shape[0] == len(track.engine.entries) and predicted[:, 1].sum() > 0
+    assert np.array_equal(track.forecast.window(track.engine.entries), predicted)  # a readout
+    track.forecast.reset_window(track.engine.entries)
+    assert not track.forecast.window(track.engine.entries).any()
 
 
 def test_pipeline_counts_only_steps_that_ran() -> None:

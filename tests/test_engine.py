@@ -78,6 +78,8 @@ def test_exact_counts_equal_clone_and_compare_on_every_step(kind, widths, device
         opt.step()
         engine.after_step()
         window = engine.window()
+        assert torch.equal(engine.window(), window)  # a readout: only reset_window() starts a new window
+        engine.reset_window()
         rows = {e.key: row for e, row in zip(engine.entries.values(), window.tolist())}
         for entry in engine.entries.values():
             p = entry.slot.param

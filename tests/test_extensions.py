@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_stale import MonitorOptions, StaleStateCallback, StaleStateMonitor
-from lightning_stale.decide.ledger import ResetUnit
+from lightning_stale.decide.ledger import LedgerRow
 from lightning_stale.decide.registry import POLICIES, register_policy
 from lightning_stale.policies import PeriodicReset, ResetPolicy
 from lightning_stale.vocab import MOMENTS, check_int, check_moments
@@ -24,14 +24,14 @@ from lightning_stale.vocab import MOMENTS, check_int, check_moments
 class EveryThirdOfWeights(PeriodicReset):
     """A toy policy: a built-in's subclass that overrides only ``should_reset`` (weights only, every ``every`` steps)."""
 
-    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+    def should_reset(self, unit: LedgerRow, step: int) -> bool:
         return unit.param.dim() > 1 and unit.age >= self.every
 
 
 class Never(ResetPolicy):
     """A toy policy on the base class."""
 
-    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+    def should_reset(self, unit: LedgerRow, step: int) -> bool:
         return False
 
 
@@ -42,7 +42,7 @@ class AfterPatience(ResetPolicy):
         super().__init__(moments)
         self.patience = patience
 
-    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+    def should_reset(self, unit: LedgerRow, step: int) -> bool:
         return unit.age >= self.patience
 
 

@@ -79,6 +79,7 @@ def run_plain() -> tuple[list[dict], Probe]:
         opt.zero_grad()
         if step % EVERY == 0:
             rows.append(monitor.compute())
+            monitor.reset_window()
     monitor.close()
     return rows, probe
 
@@ -139,6 +140,15 @@ def test_trainer_fabric_and_plain_loop_give_the_same_rows_and_match_the_count(tm
     assert read_csv(trainer_csv, "stale/v/frac") == pytest.approx(plain, rel=1e-6)  # float32 in Lightning's log
     assert read_csv(fabric_csv, "stale/v/frac") == pytest.approx(plain, rel=1e-12)
     assert read_csv(fabric_csv, "stale/resets")[-1] == read_csv(trainer_csv, "stale/resets")[-1] == 2
+
+
+def test_fabric_compute_is_a_readout_and_reset_window_starts_the_next_row(tmp_path):
+    callback = StaleStateFabricCallback(log_every_n_steps=0, **OPTIONS)  # never logs: the user reads the rows
+    run_fabric(tmp_path, callback)
+    row = callback.compute()
+    assert row["stale/v/frac"] > 0 and callback.compute() == row
+    callback.reset_window()
+    assert callback.compute() == {}
 
 
 def test_fabric_entry_point_activates_with_the_environment_variable(tmp_path, monkeypatch):

@@ -51,7 +51,8 @@ def test_compute_equals_an_independent_count_over_the_window():
     opt.register_step_post_hook(post)
     monitor = StaleStateMonitor(opt, track="exact", names=model, log_per_param=True)
     train(model, opt, 3)
-    monitor.compute()  # closes the first window
+    monitor.compute()
+    monitor.reset_window()  # closes the first window
     stalled = counted = 0
     train(model, opt, 7, start=3)
     metrics = monitor.compute()
@@ -59,6 +60,8 @@ def test_compute_equals_an_independent_count_over_the_window():
     assert 0 < metrics["stale/v/frac"] < 1
     assert {"stale/m/frac", "stale/v/drift", "stale/v/underflow", "stale/v/predicted"} <= set(metrics)
     assert "stale/0.weight/state2/frac" in metrics  # per-parameter keys use the model's names
+    assert monitor.compute() == metrics  # a readout: the window is only emptied by reset_window()
+    monitor.reset_window()
     assert monitor.compute() == {}  # a window with no step has no row
     monitor.close()
 
@@ -156,6 +159,7 @@ def test_monitoring_leaves_training_bit_identical(kind, track):
             train(model, opt, 1, start=step)
             if monitor is not None and step % 10 == 9:
                 monitor.compute()
+                monitor.reset_window()
         state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
         return [p.detach().clone() for p in model.parameters()] + [t.clone() for t in state]
 

@@ -61,7 +61,7 @@ def test_sgd_momentum_recreated_after_a_reset_is_measured_again():
     model, optimizer = model_and_optimizer("torch:SGD")
     monitor = StaleStateMonitor(optimizer, reset="periodic", every=4, coverage_steps=2, track="exact")
     train(model, optimizer, 4)
-    monitor.compute()
+    monitor.reset_window()
     train(model, optimizer, 4)  # the reset deleted the buffers; SGD recreated them at step 5
     row = monitor.compute()
     assert row["stale/m/frac"] < 0.5  # a dead tensor never changes: it read 1.0 before the slots were re-bound

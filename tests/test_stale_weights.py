@@ -39,7 +39,7 @@ def test_weight_stall_equals_an_independent_count(track, tolerance):
         before = [p.detach().clone() for p in model.parameters()]
         _step(model, opt, gen)
         if step == 19:
-            monitor.compute()  # the logged window is steps 20-39
+            monitor.reset_window()  # the logged window is steps 20-39
         if step >= 20:
             for old, p in zip(before, model.parameters()):
                 moved = (old.view(torch.int16) != p.detach().view(torch.int16))
@@ -64,7 +64,7 @@ def test_fp32_weights_are_not_measured_and_auto_changes_nothing():
         _step(model, opt, torch.Generator().manual_seed(seed))
     row = monitor.compute()
     assert not [k for k in row if "/w/" in k or k.endswith("/weights")]
-    assert monitor.resident_bytes() > 0 and all(t.writeback is None for t in monitor._tracks)
+    assert monitor.resident_bytes() > 0 and all(t.writeback is None for t in monitor._pipelines)
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
 
 
@@ -92,7 +92,7 @@ def test_weights_choice_on_an_unsupported_optimizer_is_a_configuration_error():
         StaleStateCallback(weights="kahan")
     monitor = StaleStateMonitor(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), remedy="auto",
                                 strict=False)  # auto: the weights stay the optimizer's own
-    assert all(t.writeback is None for t in monitor._tracks)
+    assert all(t.writeback is None for t in monitor._pipelines)
     monitor.close()
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from lightning_stale.act import guard
 from lightning_stale.act.weights import WeightWriteBack
 from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
-from lightning_stale.decide.ledger import ResetSchedule, ResetUnit
+from lightning_stale.decide.ledger import LedgerRow, ResetSchedule
 from lightning_stale.decide.remedies import GUARD, GUARD_CHECKS, NONE, RESET, STOCHASTIC, Remedy
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.monitor.messages import info
@@ -67,7 +67,7 @@ class Interventions:
 
     def __init__(self, adapter: OptimizerAdapter, engine: StallEngine, schedule: ResetSchedule, *,
                  underflow_guard: bool, warmup_steps: int, exact_v_reset: bool, listeners: list[ResetListener],
-                 name: Callable[[ResetUnit], str]) -> None:
+                 name: Callable[[LedgerRow], str]) -> None:
         self.adapter, self.engine, self.schedule = adapter, engine, schedule
         self.underflow_guard, self.warmup_steps, self.exact_v_reset = underflow_guard, warmup_steps, exact_v_reset
         self.listeners, self._name = listeners, name
@@ -109,7 +109,7 @@ class Interventions:
         self._guard_plan[1].run()
 
     # -- decisions ---------------------------------------------------------------------------------------------------
-    def reset(self, units: list[ResetUnit], moments: Sequence[str], step: int) -> None:
+    def reset(self, units: list[LedgerRow], moments: Sequence[str], step: int) -> None:
         """Reset ``moments`` of ``units`` in place after optimizer step ``step``, and tell the listeners."""
         reset = self.adapter.reset_exact if self.exact_v_reset else self.adapter.reset
         reset(moments=moments, params=[u.param for u in units])
@@ -127,7 +127,7 @@ class Interventions:
                 raise ListenerError(f"the reset listener {name} raised {type(error).__name__}: {error} (listeners "
                                     "are called with one argument, a ResetEvent)") from error
 
-    def foresee(self, remedy: Remedy, units: list[ResetUnit], step: int) -> None:
+    def foresee(self, remedy: Remedy, units: list[LedgerRow], step: int) -> None:
         """Before any measurement: the parameters whose v the remedy's theory expects to drift go to stochastic
         rounding from the next step, where the optimizer has it; every choice is reported with its reason."""
         roundings = self.adapter.roundings(u.param for u in units)

@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from lightning_stale.decide import slot_theory
-from lightning_stale.decide.ledger import RHO_FINAL, RHO_PENDING, RHO_TRACKING, ResetSchedule, ResetUnit
+from lightning_stale.decide.ledger import RHO_FINAL, RHO_PENDING, RHO_TRACKING, LedgerRow, ResetSchedule
 from lightning_stale.measure.counting import Batch
+from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.units import Entry
 from lightning_stale.monitor.collective import Collective
 
@@ -39,14 +40,13 @@ class StallForecast:
     """
 
     def __init__(self, collective: Collective, warn: Callable[[str, str], None],
-                 name: Callable[[ResetUnit], str]) -> None:
+                 name: Callable[[LedgerRow], str]) -> None:
         self.collective = collective
         self._warn, self._name = warn, name
         self.pending: set[int] = set()  # positions whose rho-hat is unknown or a young state's: every check
         self.tracked: set[int] = set()  # positions whose settled grid estimate is kept current, in rotation
         self.sums = np.zeros((0, 2))  # per slot row: sum and count of this window's predictions
-        self._keys: list[str] = []  # the slot key of each row of ``sums``
-        self._restored: dict[str, list[float]] = {}
+        self.rows: KeyedRows[list[float]] = KeyedRows()  # the slot key of each row; the sums of slots not held now
 
     def adopt(self, schedule: ResetSchedule) -> None:
         """Sort the parameters of a freshly synced schedule: rho-hat final where the closed form knows it (or there
@@ -68,7 +68,7 @@ class StallForecast:
             else:
                 schedule.set_rho(unit.position, math.nan if rho is None else rho, RHO_FINAL)
 
-    def waiting(self, unit: ResetUnit) -> bool:
+    def waiting(self, unit: LedgerRow) -> bool:
         """Whether the parameter still waits for its first rho-hat (its period cannot be chosen yet)."""
         return unit.position in self.pending and unit.rho is None
 
@@ -78,7 +78,7 @@ class StallForecast:
         tracked = sorted(self.tracked)[checks % TRACKING_ROTATION::TRACKING_ROTATION]
         return sorted(self.pending) + tracked
 
-    def estimate(self, schedule: ResetSchedule, positions: list[int]) -> list[ResetUnit]:
+    def estimate(self, schedule: ResetSchedule, positions: list[int]) -> list[LedgerRow]:
         """(Re-)estimate the rho-hat of the parameters at ``positions`` (pending or tracked), agreed across ranks
         (one host read per device, one collective); returns those whose period is to be chosen again: a changed
         estimate of a young state, or the first of a settled one (a settled parameter keeps its period). The same on
@@ -132,41 +132,46 @@ class StallForecast:
                 np.add.at(self.sums[:, 1], batch.global_rows[rows], 1)
 
     def align(self, entries: dict[str, Entry]) -> None:
-        """Follow the engine's new slot rows, carrying each kept slot's sums (and a restored checkpoint's)."""
-        row_of = {key: i for i, key in enumerate(self._keys)}
+        """Follow the engine's new slot rows, carrying each kept slot's sums (and a returning or restored slot's)."""
         sums = np.zeros((len(entries), 2))
+        moves = self.rows.rebuild(entries, lambda _, row: self.sums[row].tolist())
         for entry in entries.values():
-            if entry.key in row_of:
-                sums[entry.row] = self.sums[row_of[entry.key]]
-            elif entry.key in self._restored:
-                sums[entry.row] = self._restored.pop(entry.key)
-        for key, i in row_of.items():  # a slot that went away keeps its sums for when it comes back
-            if key not in entries:
-                self._restored[key] = self.sums[i].tolist()
-        self.sums, self._keys = sums, list(entries)
+            if entry.key in moves.kept:
+                sums[entry.row] = self.sums[moves.kept[entry.key]]
+            elif entry.key in moves.returned:
+                sums[entry.row] = moves.returned[entry.key]
+        self.sums = sums
 
-    def take_window(self, entries: dict[str, Entry]) -> np.ndarray:
-        """(sum, count) of the predictions of every slot row of ``entries`` (the engine's) since the previous call;
-        starts a new window."""
-        if self._keys != list(entries):  # the slots changed since the last step (e.g. a hook was skipped)
-            self.align(entries)
-        window = self.sums.copy()
-        self.sums[:] = 0.0
+    def window(self, entries: dict[str, Entry]) -> np.ndarray:
+        """(sum, count) of the predictions of every slot row of ``entries`` (the engine's) since the last
+        :meth:`reset_window`; a readout (the sums are left as they are)."""
+        if self.rows.keys == list(entries):
+            return self.sums.copy()
+        window = np.zeros((len(entries), 2))  # the slots changed since the last step (e.g. a hook was skipped)
+        for entry in entries.values():
+            saved = self.sums[self.rows.row(entry.key)] if entry.key in self.rows else self.rows.peek(entry.key)
+            if saved is not None:
+                window[entry.row] = saved
         return window
+
+    def reset_window(self, entries: dict[str, Entry]) -> None:
+        """Start a new window of predictions for the slot rows of ``entries`` (the stash keeps its sums)."""
+        if self.rows.keys != list(entries):
+            self.align(entries)
+        self.sums[:] = 0.0
 
     def resident_bytes(self) -> int:
         """Bytes of the host arrays kept between steps."""
         return self.sums.nbytes
 
     def state_dict(self) -> dict[str, Any]:
-        window = {key: self.sums[i].tolist() for i, key in enumerate(self._keys)}
-        return {"window": {**self._restored, **window}}
+        return {"window": self.rows.state_dict({key: self.sums[i].tolist() for i, key in enumerate(self.rows.keys)})}
 
-    def load_state_dict(self, state: dict[str, Any], window: bool = True) -> None:
-        """Adopt a checkpoint's unlogged prediction sums (``window``: only where they are this process's); pending
-        estimates are re-derived when the parameters appear."""
-        self._restored = dict(state.get("window", {})) if window else {}
-        self.sums, self._keys, self.pending = np.zeros((0, 2)), [], set()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Adopt a checkpoint's unlogged prediction sums (an empty state: none); pending estimates are re-derived
+        when the parameters appear."""
+        self.rows.restart(state.get("window", {}))
+        self.sums, self.pending = np.zeros((0, 2)), set()
 
 
 def to_host(sums: list[torch.Tensor], width: int = 2) -> np.ndarray:

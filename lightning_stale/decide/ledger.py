@@ -3,7 +3,7 @@ of check steps and the automatic remedy's choice; arrays over parameters.
 
 One :class:`ResetSchedule` per optimizer. Its per-parameter fields are numpy arrays so that the per-step work
 (every age advances, built-in policies compare ages with periods) is a few vectorized operations whatever the number
-of parameters; a policy sees one parameter through a :class:`ResetUnit`, a view into those arrays. Only this module
+of parameters; a policy sees one parameter through a :class:`LedgerRow`, a view into those arrays. Only this module
 writes the arrays: the other components call the schedule's named mutators, and policies write the fields that are
 theirs (``period``, ``period_source``, ``accumulator``, ``measured``) through the unit.
 """
@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.measure.units import Unit, driver_slot
+from lightning_stale.measure.rows import KeyedRows
+from lightning_stale.measure.units import TrackedParam, driver_slot
 
 NO_PERIOD = -1
 
@@ -52,18 +53,18 @@ HISTORY = ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "mea
 RHO_PENDING, RHO_FINAL, RHO_TRACKING = range(3)
 
 
-class ResetUnit:
+class LedgerRow:
     """One parameter as a policy sees it: its slots and its bookkeeping fields (read and written in place)."""
 
-    def __init__(self, schedule: ResetSchedule, index: int, unit: Unit) -> None:
-        self._schedule, self.position, self._unit = schedule, index, unit
+    def __init__(self, schedule: ResetSchedule, position: int, tracked: TrackedParam) -> None:
+        self._schedule, self.position, self._tracked = schedule, position, tracked
 
-    key = property(lambda self: self._unit.key)
-    param = property(lambda self: self._unit.param)
+    key = property(lambda self: self._tracked.key)
+    param = property(lambda self: self._tracked.param)
 
     @property
     def slots(self) -> list[Slot]:
-        return self._unit.slots
+        return self._tracked.slots
 
     def driver(self) -> Slot | None:
         """The slot whose staleness drives the decision: the second moment when there is one, else the first."""
@@ -92,14 +93,14 @@ class ResetUnit:
         self._schedule.sources[self.position] = value
 
     def __repr__(self) -> str:
-        return f"ResetUnit({self.key!r}, age={self.age}, period={self.period})"
+        return f"LedgerRow({self.key!r}, age={self.age}, period={self.period})"
 
 
 def _field(name: str, kind: type, writable: bool) -> property:
-    def get(self: ResetUnit) -> Any:
+    def get(self: LedgerRow) -> Any:
         return kind(self._schedule.arrays[name][self.position])
 
-    def set(self: ResetUnit, value: Any) -> None:
+    def set(self: LedgerRow, value: Any) -> None:
         self._schedule.arrays[name][self.position] = value
 
     return property(get, set if writable else None)
@@ -107,9 +108,9 @@ def _field(name: str, kind: type, writable: bool) -> property:
 
 POLICY_FIELDS = ("measured", "accumulator")  # the fields a policy keeps itself (besides its period)
 for _name in ("age", "resets", "last_reset_step", "warmup_left", "guard_left", "measured", "remedy", "rho_state"):
-    setattr(ResetUnit, _name, _field(_name, int, _name in POLICY_FIELDS))
+    setattr(LedgerRow, _name, _field(_name, int, _name in POLICY_FIELDS))
 for _name in ("accumulator", "drift", "underflow", "weight_stall"):
-    setattr(ResetUnit, _name, _field(_name, float, _name in POLICY_FIELDS))
+    setattr(LedgerRow, _name, _field(_name, float, _name in POLICY_FIELDS))
 
 
 class ResetSchedule:
@@ -119,32 +120,38 @@ class ResetSchedule:
         self._clear()
 
     def _clear(self) -> None:
-        self.units: list[ResetUnit] = []
-        self.keys: list[str] = []
+        self.units: list[LedgerRow] = []
+        self.rows: KeyedRows[dict[str, Any]] = KeyedRows()  # each row's key; fields of parameters not synced now
         self.arrays: dict[str, np.ndarray] = {name: np.zeros(0, dtype=kind) for name, (kind, _) in FIELDS.items()}
         self.sources: list[str] = []  # why each period was chosen ("" until the policy configured the unit)
         self.betas = np.zeros(0)  # beta of each driver slot (nan when it is not an EMA)
-        self._restored: dict[str, dict[str, Any]] = {}  # fields of parameters not (or no longer) synced, by key
 
-    def sync(self, units: list[Unit], initial_age: Callable[[Unit], int] | None = None) -> list[ResetUnit]:
+    @property
+    def keys(self) -> list[str]:
+        """The parameter key of each row."""
+        return self.rows.keys
+
+    def sync(self, units: list[TrackedParam],
+             initial_age: Callable[[TrackedParam], int] | None = None) -> list[LedgerRow]:
         """Align with the engine's units (same order), keeping each known parameter's fields; returns the new ones.
 
         A new parameter takes its fields from a loaded checkpoint (or from before its state went away) when there is
         one, else starts at ``initial_age(unit)`` (the age of optimizer state that existed before monitoring began)
         or 0."""
-        old = {key: i for i, key in enumerate(self.keys)}
         arrays = {name: np.full(len(units), default, dtype=kind) for name, (kind, default) in FIELDS.items()}
         sources = [""] * len(units)
         fresh: list[int] = []
+        # a parameter whose state went away (a reset that deletes a buffer) keeps its history for when it returns
+        moves = self.rows.rebuild([u.key for u in units], self._saved)
         for i, unit in enumerate(units):
-            if unit.key in old:
-                j = old[unit.key]
+            if unit.key in moves.kept:
+                j = moves.kept[unit.key]
                 for name in FIELDS:
                     arrays[name][i] = self.arrays[name][j]
                 sources[i] = self.sources[j]
             else:
                 fresh.append(i)
-                restored = self._restored.pop(unit.key, None)
+                restored = moves.returned.get(unit.key)
                 if restored is None and initial_age is not None:
                     arrays["age"][i] = initial_age(unit)
                 for name in HISTORY + ("period",) if restored is not None else ():
@@ -152,15 +159,14 @@ class ResetSchedule:
                         arrays[name][i] = restored[name]
                 if restored is not None and "period" in restored:  # the period the same policy chose
                     sources[i] = restored.get("period_source", "")
-        kept = {u.key for u in units}
-        for key, j in old.items():  # a parameter whose state went away (a reset that deletes a buffer) keeps its history
-            if key not in kept:
-                self._restored[key] = {**{name: self.arrays[name][j].item() for name in FIELDS},
-                                       "period_source": self.sources[j]}
-        self.arrays, self.sources, self.keys = arrays, sources, [u.key for u in units]
-        self.units = [ResetUnit(self, i, unit) for i, unit in enumerate(units)]
+        self.arrays, self.sources = arrays, sources
+        self.units = [LedgerRow(self, i, unit) for i, unit in enumerate(units)]
         self.betas = np.array([_beta(u.driver()) for u in self.units], dtype=np.float64)
         return [self.units[i] for i in fresh]
+
+    def _saved(self, key: str, row: int) -> dict[str, Any]:
+        """Every field of the parameter at ``row`` (what is stashed and saved of it)."""
+        return {**{name: self.arrays[name][row].item() for name in FIELDS}, "period_source": self.sources[row]}
 
     @classmethod
     def of(cls, n: int, **fields: Any) -> ResetSchedule:
@@ -170,7 +176,8 @@ class ResetSchedule:
         schedule.arrays = {name: np.full(n, default, dtype=kind) for name, (kind, default) in FIELDS.items()}
         for name, values in fields.items():
             schedule.arrays[name][:] = values
-        schedule.sources, schedule.keys = [""] * n, [str(i) for i in range(n)]
+        schedule.sources = [""] * n
+        schedule.rows.rebuild([str(i) for i in range(n)], schedule._saved)
         return schedule
 
     def resident_bytes(self) -> int:
@@ -211,7 +218,7 @@ class ResetSchedule:
         """Keep the parameters at ``rows`` under the underflow guard for at least ``steps`` more steps."""
         self.arrays["guard_left"][rows] = np.maximum(self.arrays["guard_left"][rows], steps)
 
-    def use_guard_step(self) -> list[ResetUnit]:
+    def use_guard_step(self) -> list[LedgerRow]:
         """The parameters inside a guard window, each window one step shorter afterwards."""
         rows = np.flatnonzero(self.arrays["guard_left"] > 0)
         self.arrays["guard_left"][rows] -= 1
@@ -224,7 +231,7 @@ class ResetSchedule:
         self.arrays["warmup_left"][position] -= 1
         return factor
 
-    def record_reset(self, units: list[ResetUnit], step: int, warmup_steps: int, guard_steps: int) -> None:
+    def record_reset(self, units: list[LedgerRow], step: int, warmup_steps: int, guard_steps: int) -> None:
         """Restart the cycle of ``units`` after their reset at optimizer step ``step``."""
         rows = np.array([u.position for u in units], dtype=np.int64)
         for name, value in (("age", 0), ("measured", 0), ("accumulator", 0.0), ("warmup_left", warmup_steps),
@@ -238,7 +245,7 @@ class ResetSchedule:
         """Some parameter is inside a post-reset warm-up."""
         return bool(self.arrays["warmup_left"].any())
 
-    def warming(self) -> list[ResetUnit]:
+    def warming(self) -> list[LedgerRow]:
         """Parameters inside a post-reset warm-up."""
         return [self.units[i] for i in np.flatnonzero(self.arrays["warmup_left"] > 0)]
 
@@ -250,18 +257,21 @@ class ResetSchedule:
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Every parameter's fields by key (with what a loaded checkpoint holds for parameters not seen again yet)."""
-        live = {key: {**{name: self.arrays[name][i].item() for name in FIELDS}, "period_source": self.sources[i]}
-                for i, key in enumerate(self.keys)}
-        return {**self._restored, **live}
+        return self.rows.state_dict({key: self._saved(key, i) for i, key in enumerate(self.keys)})
 
-    def load_state_dict(self, state: dict[str, Any], periods: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt the measured history of a checkpoint (ages, reset counts, warm-up, adaptive accumulators, rho-hat
-        estimates) in place of what the schedule held; each parameter takes its part when it is next synced. With
-        ``periods`` (the checkpoint's policy is the one configured now) the periods it chose continue; otherwise the
-        policy configured now chooses them."""
+        estimates, periods) in place of what the schedule held; each parameter takes its part when it is next
+        synced."""
         self._clear()
-        dropped = () if periods else ("period", "period_source")
-        self._restored = {key: {k: v for k, v in fields.items() if k not in dropped} for key, fields in state.items()}
+        self.rows.restart(state)
+
+
+def without_periods(state: dict[str, Any]) -> dict[str, Any]:
+    """A saved schedule without the periods its policy chose: what a resume under another policy loads (that policy
+    chooses them anew)."""
+    return {key: {name: value for name, value in fields.items() if name not in ("period", "period_source")}
+            for key, fields in state.items()}
 
 
 def _beta(slot: Slot | None) -> float:

@@ -1,6 +1,6 @@
 """Reset policies: decide, per parameter, when to reset which stored moments.
 
-A policy sees one :class:`ResetUnit` per parameter (its slots, the real optimizer steps since its last reset, the
+A policy sees one :class:`LedgerRow` per parameter (its slots, the real optimizer steps since its last reset, the
 measured stall fractions of the current cycle) and answers :meth:`ResetPolicy.should_reset`. Override that method
 (as with Lightning's ``WeightAveraging.should_update``) for a custom rule, on :class:`ResetPolicy` or on a built-in
 policy: the built-ins answer for every parameter at once with array comparisons (``_due_all``), which a subclass that
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from lightning_stale.decide import slot_theory
-from lightning_stale.decide.ledger import NO_PERIOD, ResetSchedule, ResetUnit
+from lightning_stale.decide.ledger import NO_PERIOD, LedgerRow, ResetSchedule
 from lightning_stale.decide.registry import POLICIES, make, register_policy
 from lightning_stale.theory import statistical_error
 from lightning_stale.vocab import MOMENTS, check_int, check_moments, check_open_unit, invalid
@@ -50,14 +50,14 @@ class ResetPolicy:
     def __init__(self, moments: Sequence[str] = MOMENTS) -> None:
         self.moments = check_moments(moments)
 
-    def configure(self, unit: ResetUnit) -> None:
+    def configure(self, unit: LedgerRow) -> None:
         """Called when a parameter's state first appears, and again whenever its rho-hat estimate changes (e.g. to
         choose its period)."""
 
-    def observe(self, unit: ResetUnit, stall_fraction: float) -> None:
+    def observe(self, unit: LedgerRow, stall_fraction: float) -> None:
         """Called on measured steps with the driver slot's stall fraction of that step."""
 
-    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+    def should_reset(self, unit: LedgerRow, step: int) -> bool:
         """Whether to reset ``unit`` now, right after its optimizer's ``step``-th real step (skipped steps do not
         count), which is the ``unit.age``-th step since the unit's last reset."""
         raise NotImplementedError
@@ -84,10 +84,10 @@ class PeriodicReset(ResetPolicy):
         self.every = check_int("every", every, unit="optimizer steps between resets")
         super().__init__(moments)
 
-    def configure(self, unit: ResetUnit) -> None:
+    def configure(self, unit: LedgerRow) -> None:
         unit.period, unit.period_source = self.every, "fixed"
 
-    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+    def should_reset(self, unit: LedgerRow, step: int) -> bool:
         return unit.age >= self.every
 
     def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:
@@ -109,7 +109,7 @@ class TheoryReset(ResetPolicy):
         super().__init__(moments)
         self.s0 = check_s0(s0)
 
-    def configure(self, unit: ResetUnit) -> None:
+    def configure(self, unit: LedgerRow) -> None:
         driver = unit.driver()
         unit.period, reason = slot_theory.reset_period(unit.rho, None if driver is None else driver.beta, self.s0)
         if unit.rho is None and driver is not None:
@@ -117,7 +117,7 @@ class TheoryReset(ResetPolicy):
             reason = reason if needs_estimate else why  # e.g. "fp32 (no staleness)" rather than "no theory"
         unit.period_source = reason or "theory"
 
-    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+    def should_reset(self, unit: LedgerRow, step: int) -> bool:
         return unit.period is not None and unit.age >= unit.period
 
     def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:
@@ -140,15 +140,15 @@ class AdaptiveReset(ResetPolicy):
         self.s0 = check_s0(s0)
         self.min_interval = min_interval
 
-    def configure(self, unit: ResetUnit) -> None:
+    def configure(self, unit: LedgerRow) -> None:
         unit.period_source = "adaptive"
 
-    def observe(self, unit: ResetUnit, stall_fraction: float) -> None:
+    def observe(self, unit: LedgerRow, stall_fraction: float) -> None:
         if math.isfinite(stall_fraction):
             unit.accumulator += max(0.0, (stall_fraction - self.s0) / (1.0 - self.s0))
             unit.measured += 1
 
-    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+    def should_reset(self, unit: LedgerRow, step: int) -> bool:
         driver = unit.driver()
         if driver is None or driver.beta is None or unit.age < self.min_interval or unit.measured == 0:
             return False
@@ -183,7 +183,7 @@ class DriftReset(ResetPolicy):
         self.band = check_band(band)
         self.min_interval = min_interval
 
-    def configure(self, unit: ResetUnit) -> None:
+    def configure(self, unit: LedgerRow) -> None:
         unit.period_source = "drift"
 
     def out_of_band(self, drift: np.ndarray, ages: np.ndarray) -> np.ndarray:
@@ -192,7 +192,7 @@ class DriftReset(ResetPolicy):
             outside = (drift > self.band) | (drift < 1.0 / self.band)
         return outside & (ages >= self.min_interval)
 
-    def should_reset(self, unit: ResetUnit, step: int) -> bool:
+    def should_reset(self, unit: LedgerRow, step: int) -> bool:
         return bool(self.out_of_band(np.array([unit.drift]), np.array([unit.age]))[0])
 
     def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:

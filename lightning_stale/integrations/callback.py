@@ -158,6 +158,7 @@ class StaleStateCallback(Callback):
         if self.monitor is None or not _compat.lightning_should_log(trainer) or _compat.lightning_accumulating(trainer):
             return
         row, per_param = self.monitor.compute_parts()
+        self.monitor.reset_window()  # each logged row covers the steps since the previous one
         bar = f"{self.options.log_key_prefix}/v/frac"
         for key, value in row.items():
             pl_module.log(key, value, on_step=True, on_epoch=False, prog_bar=key == bar, batch_size=1)

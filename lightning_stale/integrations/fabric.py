@@ -33,7 +33,7 @@ class StaleStateFabricCallback:
 
     Args:
         log_every_n_steps: optimizer steps between two rows logged with ``fabric.log_dict`` (0: never log; read
-            :meth:`compute` yourself).
+            :meth:`compute` and call :meth:`reset_window` yourself).
         fabric: the Fabric to log through; found on the call stack when omitted.
         **options: the options of :class:`~lightning_stale.monitor.StaleStateMonitor` (``reset``, ``track``, ...).
     """
@@ -65,18 +65,25 @@ class StaleStateFabricCallback:
         self.steps += 1
         if self.log_every_n_steps and self.steps % self.log_every_n_steps == 0:
             metrics = self.compute()
+            self.reset_window()  # each logged row covers the steps since the previous one
             fabric = self.fabric or self._find(strategy)
             if fabric is not None and metrics:
                 fabric.log_dict(metrics, step=self.steps)
 
     def compute(self) -> dict[str, float]:
-        """One row for every optimizer (the second and later ones under ``<prefix>/opt<i>/``); a collective."""
+        """One row for every optimizer (the second and later ones under ``<prefix>/opt<i>/``) of the steps since the
+        last :meth:`reset_window`; a collective, and a readout (calling it again gives the same row)."""
         row: dict[str, float] = {}
         prefix = self.options.log_key_prefix
         for i, monitor in enumerate(self.monitors.values()):
             metrics = monitor.compute()
             row.update(metrics if i == 0 else {f"{prefix}/opt{i}/{k[len(prefix) + 1:]}": v for k, v in metrics.items()})
         return row
+
+    def reset_window(self) -> None:
+        """Start a new window for every optimizer: the next :meth:`compute` covers only the steps after this call."""
+        for monitor in self.monitors.values():
+            monitor.reset_window()
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "monitors": [m.state_dict() for m in self.monitors.values()]}

@@ -75,6 +75,7 @@ class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
         if self.monitor is None or logs is None or "loss" not in logs:  # training rows only
             return
         metrics = self.monitor.compute()  # a collective under multi-process training: every rank logs here
+        self.monitor.reset_window()  # each logged row covers the steps since the previous one
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_stale.formats.base import unpack_nibbles
-from lightning_stale.measure.units import Entry, Unit
+from lightning_stale.measure.rows import KeyedRows
+from lightning_stale.measure.units import Entry, TrackedParam
 
 STALLED, COUNTED, UNDERFLOW, MEASURED = range(4)  # columns of a window's per-slot totals (MEASURED: on the host)
 N_STATS = 4
@@ -30,7 +32,7 @@ class Batch:
     their sampled codes are concatenated slot by slot, ``(k, elements)``, and compared against one concatenated
     gradient sample, ``(elements,)``, that every slot row shares."""
 
-    units: list[Unit]
+    units: list[TrackedParam]
     k: int
     packed: tuple[bool, ...]  # per slot row: two 4-bit codes per byte (QuantizedAdamW's moments may differ)
     code_views: list[Tensor | None]  # k * len(units) strided views of the state, slot-major: valid while tensors are
@@ -89,10 +91,10 @@ class Batch:
         return (flat_codes(snapshot, self.packed[0]) if self.uniform else snapshot).view(self.k, -1)
 
 
-def plan_batches(units: list[Unit], sample_size: int, local_row: dict[str, int]) -> list[Batch]:
+def plan_batches(units: list[TrackedParam], sample_size: int, local_row: dict[str, int]) -> list[Batch]:
     """The batches of one cohort: its parameters grouped by layout (``local_row``: each slot's row in its device's
     totals matrix)."""
-    groups: dict[tuple, list[list[Unit]]] = {}
+    groups: dict[tuple, list[list[TrackedParam]]] = {}
     for unit in units:
         if unit.sample.count == 0:  # an empty (shard of a) parameter: nothing to read
             continue
@@ -107,7 +109,7 @@ def plan_batches(units: list[Unit], sample_size: int, local_row: dict[str, int])
     return [_batch(units, local_row) for split in groups.values() for units in split]
 
 
-def _batch(units: list[Unit], local_row: dict[str, int]) -> Batch:
+def _batch(units: list[TrackedParam], local_row: dict[str, int]) -> Batch:
     device, k = units[0].param.device, len(units[0].entries)
     lengths = [u.sample.numel for u in units]
     entries = [u.entries[i] for i in range(k) for u in units]
@@ -144,39 +146,41 @@ class Counts:
         self.recent: dict[torch.device, Tensor] = {}  # per device: (its rows, 3) int32, when there are readers
         self.measured = np.zeros(0)  # per row: measured steps in the window
         self.local_row: dict[str, int] = {}  # slot key -> row in its device's totals
+        self.rows: KeyedRows[dict[str, Any]] = KeyedRows()  # slot key -> row; the sums of slots not held now
         self._where: dict[str, torch.device] = {}  # slot key -> its device
         self._device_rows: dict[torch.device, list[int]] = {}  # per device: the global row of each local row
         self._unread: dict[str, np.ndarray] = {}  # per reader: recent sums read on behalf of it, not yet taken
 
-    def rebuild(self, old: dict[str, Entry], new: dict[str, Entry], restored: dict[str, dict]) -> None:
-        """New rows for the new slot set, carrying each kept slot's sums (and a restored checkpoint's rows); the sums
-        of slots that went away move into ``restored``."""
-        rows: dict[torch.device, list[Entry]] = {}
-        for entry in new.values():
-            rows.setdefault(entry.slot.param.device, []).append(entry)
-        totals = {d: torch.zeros(len(g), 3, dtype=torch.float64, device=d) for d, g in rows.items()}
-        measured = np.zeros(len(new))
-        for device, group in rows.items():
+    def rebuild(self, entries: dict[str, Entry]) -> None:
+        """New rows for the slots ``entries`` (in row order), carrying each kept slot's sums; a slot that went away
+        keeps its sums for when it comes back (as do a loaded checkpoint's slots until they appear)."""
+        groups: dict[torch.device, list[Entry]] = {}
+        for entry in entries.values():
+            groups.setdefault(entry.slot.param.device, []).append(entry)
+        totals = {d: torch.zeros(len(g), 3, dtype=torch.float64, device=d) for d, g in groups.items()}
+        measured = np.zeros(len(entries))
+        moves = self.rows.rebuild(entries, self._saved)
+        for device, group in groups.items():
             for local, entry in enumerate(group):
-                previous = old.get(entry.key)
-                if previous is not None and previous.key in self._where:
-                    totals[device][local] = self.totals[self._where[previous.key]][self.local_row[previous.key]]
-                    measured[entry.row] = self.measured[previous.row]
-                elif entry.key in restored:
-                    saved = restored.pop(entry.key)
+                if entry.key in moves.kept:
+                    totals[device][local] = self.totals[self._where[entry.key]][self.local_row[entry.key]]
+                    measured[entry.row] = self.measured[moves.kept[entry.key]]
+                elif entry.key in moves.returned:
+                    saved = moves.returned[entry.key]
                     totals[device][local] = saved["totals"].to(totals[device])
                     measured[entry.row] = saved["measured"]
-        for key, entry in old.items():  # a slot that went away keeps its sums for when it comes back
-            if key not in new and key in self._where:
-                restored[key] = {"totals": self.totals[self._where[key]][self.local_row[key]].cpu(),
-                                 "measured": float(self.measured[entry.row])}
         self.totals, self.measured = totals, measured
-        self.recent = {d: torch.zeros(len(g), 3, dtype=torch.int32, device=d) for d, g in rows.items()} \
+        self.recent = {d: torch.zeros(len(g), 3, dtype=torch.int32, device=d) for d, g in groups.items()} \
             if self.readers else {}
         self._unread = {}
-        self._where = {e.key: d for d, g in rows.items() for e in g}
-        self.local_row = {e.key: local for g in rows.values() for local, e in enumerate(g)}
-        self._device_rows = {d: [e.row for e in g] for d, g in rows.items()}
+        self._where = {e.key: d for d, g in groups.items() for e in g}
+        self.local_row = {e.key: local for g in groups.values() for local, e in enumerate(g)}
+        self._device_rows = {d: [e.row for e in g] for d, g in groups.items()}
+
+    def _saved(self, key: str, row: int) -> dict[str, Any]:
+        """The sums of a slot that went away, on the host (what the stash keeps until it comes back)."""
+        return {"totals": self.totals[self._where[key]][self.local_row[key]].cpu(),
+                "measured": float(self.measured[row])}
 
     def count(self, batch: Batch, prev: Tensor, placeholders: dict) -> None:
         """Add the stalls and underflows of one measured batch (``prev``: its snapshot before the step)."""
@@ -222,16 +226,20 @@ class Counts:
         if self.readers:  # unweighted, with the same rows dropped from the underflow column
             self.recent[batch.device].index_add_(0, batch.rows, sums * (batch.weights > 0))
 
-    def take_window(self) -> Tensor:
-        """Per-slot totals since the previous call, (rows, N_STATS) float64 on the host in row order; starts a new
-        window (one host read per device)."""
+    def window(self) -> Tensor:
+        """Per-slot totals since the last :meth:`reset_window`, (rows, N_STATS) float64 on the host in row order (one
+        host read per device; the sums are left as they are)."""
         totals = torch.zeros(len(self.measured), N_STATS, dtype=torch.float64)
         for device, local in self.totals.items():
             totals[self._device_rows[device], :MEASURED] = local.cpu()
-            local.zero_()
         totals[:, MEASURED] = torch.from_numpy(self.measured)
-        self.measured[:] = 0.0
         return totals
+
+    def reset_window(self) -> None:
+        """Start a new window: zero the per-slot totals (the stash of slots not held now keeps its sums)."""
+        for local in self.totals.values():
+            local.zero_()
+        self.measured[:] = 0.0
 
     def take_recent(self, reader: str) -> np.ndarray:
         """Unweighted (stalled, counted, underflow) sums of every slot since ``reader``'s previous call, (rows, 3) on
@@ -250,10 +258,17 @@ class Counts:
         """The device tensors kept between steps."""
         return [*self.totals.values(), *self.recent.values()]
 
-    def state_dict(self, entries: dict[str, Entry]) -> dict[str, dict]:
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Every slot's sums by key (one host read per device), with those of slots not held now."""
         host = {device: totals.cpu() for device, totals in self.totals.items()}
-        return {e.key: {"totals": host[self._where[e.key]][self.local_row[e.key]].clone(),
-                        "measured": float(self.measured[e.row])} for e in entries.values()}
+        held = {key: {"totals": host[self._where[key]][self.local_row[key]].clone(),
+                      "measured": float(self.measured[row])} for row, key in enumerate(self.rows.keys)}
+        return self.rows.state_dict(held)
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        """Hold no slot and keep ``state``'s sums, each slot's applied when it appears."""
+        self.rows.restart(state)
+        self.rebuild({})
 
 
 def _segments(mask: Tensor, batch: Batch) -> Tensor:

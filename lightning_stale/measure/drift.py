@@ -17,8 +17,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.sampling import Sample
-from lightning_stale.measure.units import Entry, Unit, driver_group
+from lightning_stale.measure.units import Entry, TrackedParam, driver_group
 
 DRIFT_PARAMS = 4  # parameters with a drift shadow in sample mode
 DRIFT_SAMPLE = 128  # shadowed elements per slot
@@ -29,7 +30,7 @@ class Shadow:
     """fp32 shadow EMAs of panel parameters whose slots share a layout (device, sample shape, moments and betas):
     one row per slot, one gradient concatenation per step for all of them."""
 
-    units: list[Unit]
+    units: list[TrackedParam]
     samples: list[Sample]  # the shadowed prefix of each unit's sample
     squared: list[bool]  # per row: the EMA averages g**2 (a second moment) rather than g
     weight: Tensor  # (rows, 1): 1 - beta
@@ -46,28 +47,26 @@ class DriftPanel:
 
     def __init__(self, exact: bool) -> None:
         self.exact = exact
+        self.rows: KeyedRows[Tensor] = KeyedRows()  # the panel's slot keys; the shadows of slots that went away
         self._shadows: list[Shadow] = []
         self._of: dict[str, tuple[Shadow, int, int]] = {}  # slot key -> (shadow, row, unit index)
 
-    def rebuild(self, units: list[Unit], old_entries: dict[str, Entry], fresh_state: bool,
-                restored: dict[str, Tensor]) -> None:
+    def rebuild(self, units: list[TrackedParam], old_entries: dict[str, Entry], fresh_state: bool) -> None:
         """Choose the panel among ``units`` and build its shadows, carrying each kept slot's shadow (then a restored
-        checkpoint's); a new slot starts from zero if its state was created by this step (``fresh_state``), else
-        from its stored value."""
-        old = {key: s.part(row, i).clone() for key, (s, row, i) in self._of.items()}
-        live = {e.key for u in units for e in u.entries}
-        restored.update({key: shadow for key, shadow in old.items() if key not in live})  # kept for its return
+        one: a slot that went away, or a loaded checkpoint's); a new slot starts from zero if its state was created by
+        this step (``fresh_state``), else from its stored value. A slot that leaves the panel but not the optimizer
+        is dropped."""
         candidates = [u for u in units if u.sample.count > 0 and any(e.slot.beta is not None for e in u.entries)]
         if not self.exact:  # a hashed choice, one parameter of every driver format first (drift is read per format)
             candidates.sort(key=lambda u: zlib.crc32(u.key.encode()))
             firsts = list({driver_group(u): u for u in reversed(candidates)}.values())
             candidates = (firsts + [u for u in candidates if u not in firsts])[:max(DRIFT_PARAMS, len(firsts))]
-            candidates.sort(key=lambda u: u.index)
-        groups: dict[tuple, list[Unit]] = {}
+            candidates.sort(key=lambda u: u.position)  # the param groups' order
+        groups: dict[tuple, list[TrackedParam]] = {}
         for unit in candidates:
             layout = tuple((e.moment, e.slot.beta) for e in unit.entries if e.slot.beta is not None)
             groups.setdefault((unit.param.device, unit.sample.full, layout), []).append(unit)
-        self._shadows, self._of = [], {}
+        old, shadows, of, entries = self._of, [], {}, {}
         for (device, _, layout), members in groups.items():
             samples = [u.sample.prefix(DRIFT_SAMPLE) for u in members]
             lengths = [s.numel for s in samples]
@@ -75,20 +74,20 @@ class DriftPanel:
                             torch.tensor([[1.0 - b] for _, b in layout], dtype=torch.float32, device=device),
                             torch.zeros(len(layout), sum(lengths), dtype=torch.float32, device=device),
                             [int(x) for x in np.cumsum([0] + lengths[:-1])])
-            self._shadows.append(shadow)
+            shadows.append(shadow)
             for i, unit in enumerate(members):
                 for row, entry in enumerate(e for e in unit.entries if e.slot.beta is not None):
-                    self._of[entry.key] = (shadow, row, i)
-                    if entry.key in old:
-                        shadow.part(row, i).copy_(old[entry.key])
-                    elif entry.key in restored:
-                        shadow.part(row, i).copy_(restored.pop(entry.key))
-                    elif not (fresh_state and entry.key not in old_entries):
-                        self.resync(entry)
-
-    def clear(self) -> None:
-        """Forget every shadow (a checkpoint's take their place when the slots are next built)."""
-        self._shadows, self._of = [], {}
+                    of[entry.key], entries[entry.key] = (shadow, row, i), entry
+        moves = self.rows.rebuild(of, lambda key, _: _part(old[key]).clone(),
+                                  live={e.key for u in units for e in u.entries})
+        self._shadows, self._of = shadows, of
+        for key, place in of.items():
+            if key in moves.kept:
+                _part(place).copy_(_part(old[key]))
+            elif key in moves.returned:
+                _part(place).copy_(moves.returned[key])
+            elif not (fresh_state and key not in old_entries):
+                self.resync(entries[key])
 
     def update(self, placeholders: dict) -> None:
         """One EMA step of every shadow with this step's gradients (NaN/Inf elements leave the EMA where it is)."""
@@ -136,4 +135,16 @@ class DriftPanel:
         return [t for s in self._shadows for t in (s.values, s.weight)]
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {key: s.part(row, i).cpu().clone() for key, (s, row, i) in self._of.items()}
+        """Every shadow by slot key, on the host (with those of slots that went away or have not appeared yet)."""
+        return self.rows.state_dict({key: _part(place).cpu().clone() for key, place in self._of.items()})
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Forget every shadow and keep ``state``'s, each applied when its slot is next on the panel."""
+        self.rows.restart(state)
+        self._shadows, self._of = [], {}
+
+
+def _part(place: tuple[Shadow, int, int]) -> Tensor:
+    """The shadow of one slot: its part of its shadow's row."""
+    shadow, row, unit = place
+    return shadow.part(row, unit)

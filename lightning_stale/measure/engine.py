@@ -34,7 +34,7 @@ from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.measure.counting import Batch, Counts, plan_batches
 from lightning_stale.measure.drift import DriftPanel
 from lightning_stale.measure.sampling import choose_sample
-from lightning_stale.measure.units import Entry, Unit, driver_group, driver_slot, weight_slot
+from lightning_stale.measure.units import Entry, TrackedParam, driver_group, driver_slot, weight_slot
 from lightning_stale.vocab import WEIGHT
 
 # per parameter in a check step's vector: drift * weight, weight, v stored as zero, v counted, w stalled, w counted
@@ -65,16 +65,15 @@ class StallEngine:
         self.params_per_step = params_per_step
         self.coverage_steps = coverage_steps
         self.seed = seed
-        self.units: list[Unit] = []
+        self.units: list[TrackedParam] = []
         self.entries: dict[str, Entry] = {}
         self.version = 0  # bumped whenever the set of slots is rebuilt
         self.cursor = 0  # measured steps so far: picks the cohort
-        self.cohorts: list[list[Unit]] = []
-        self.measured_cohort: list[Unit] = []  # the parameters of the last measured step, empty shards included
+        self.cohorts: list[list[TrackedParam]] = []
+        self.measured_cohort: list[TrackedParam] = []  # the parameters of the last measured step, empty shards included
         self.counts = Counts(recent_readers)
         self.panel = DriftPanel(exact)
         self._batches: dict[int, list[Batch]] = {}
-        self._restored: dict[str, dict[str, Any]] = {"totals": {}, "shadows": {}}
         self._prev: list[Tensor] | None = None
         self._prev_cohort = -1
         self._placeholders: dict = {}
@@ -102,17 +101,16 @@ class StallEngine:
             self._watch -= 1
             if _layout(slots) == _layout(e.slot for e in self.entries.values() if e.moment != WEIGHT):
                 return False
-        units: dict[int, Unit] = {}
+        units: dict[int, TrackedParam] = {}
         entries: dict[str, Entry] = {}
         pairs = {id(s.param) for s in slots if s.packed}
         for slot in slots:
-            index = position[id(slot.param)]
             if id(slot.param) not in units:
-                key = f"{self.prefix}.{index}"
+                key = f"{self.prefix}.{position[id(slot.param)]}"
                 size = None if self.exact else self.sample_size
                 shard = local_tensor(slot.param)
                 sample = choose_sample(key, shard.shape, size, self.seed, pairs=id(slot.param) in pairs)
-                units[id(slot.param)] = Unit(key, index, len(units), slot.param, sample, shard.numel())
+                units[id(slot.param)] = TrackedParam(key, len(units), slot.param, sample, shard.numel())
             unit = units[id(slot.param)]
             key = f"{unit.key}.{slot.key}"
             entry = entries[key] = Entry(key, len(entries), unit, slot)
@@ -124,9 +122,9 @@ class StallEngine:
                 entry = entries[key] = Entry(key, len(entries), unit, weight)
                 unit.entries.append(entry)
         old_entries, self.entries, self.units = self.entries, entries, list(units.values())
-        self.counts.rebuild(old_entries, entries, self._restored["totals"])
+        self.counts.rebuild(entries)
         self._build_cohorts()
-        self.panel.rebuild(self.units, old_entries, fresh_state, self._restored["shadows"])
+        self.panel.rebuild(self.units, old_entries, fresh_state)
         self.version += 1
         return True
 
@@ -193,9 +191,13 @@ class StallEngine:
 
     # -- readouts ----------------------------------------------------------------------------------------------------
     def window(self) -> Tensor:
-        """Per-slot totals since the previous call, (rows, N_STATS) float64 on the host in row order; the call starts
-        a new window."""
-        return self.counts.take_window()
+        """Per-slot totals since the last :meth:`reset_window`, (rows, N_STATS) float64 on the host in row order (a
+        readout: calling it again gives the same totals)."""
+        return self.counts.window()
+
+    def reset_window(self) -> None:
+        """Start a new window of per-slot totals."""
+        self.counts.reset_window()
 
     def take_recent(self, reader: str) -> np.ndarray:
         """Sampled (stalled, counted, underflow) counts of every slot since ``reader``'s previous call, (rows, 3) on
@@ -259,8 +261,7 @@ class StallEngine:
     def state_dict(self) -> dict[str, Any]:
         """The cohort cursor, each slot's unlogged counts and its drift shadow (with what a loaded checkpoint holds
         for slots that have not appeared yet)."""
-        return {"cursor": self.cursor, "totals": {**self._restored["totals"], **self.counts.state_dict(self.entries)},
-                "shadows": {**self._restored["shadows"], **self.panel.state_dict()}}
+        return {"cursor": self.cursor, "totals": self.counts.state_dict(), "shadows": self.panel.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], counts: bool = True, shadows: bool = True) -> None:
         """Adopt a checkpoint's histories; each slot's part is applied when the slot appears (the slots are rebuilt
@@ -269,12 +270,10 @@ class StallEngine:
         The cohort cursor is shared by every process; the unlogged ``counts`` and the drift ``shadows`` describe the
         saving process's own samples and shards, so the monitor leaves them out where they are not this process's."""
         self.cursor = int(state["cursor"])
-        self._restored = {"totals": dict(state["totals"]) if counts else {},
-                          "shadows": dict(state["shadows"]) if shadows else {}}
         self._n_state = -1
         self.entries, self.units = {}, []
-        self.counts.rebuild({}, {}, {})
-        self.panel.clear()
+        self.counts.load_state_dict(state["totals"] if counts else {})
+        self.panel.load_state_dict(state["shadows"] if shadows else {})
 
 
 def _layout(slots: object) -> list[tuple[int, str, tuple[int, ...]]]:

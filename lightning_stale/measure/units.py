@@ -1,5 +1,5 @@
-"""What the engine tracks of one optimizer: a :class:`Unit` per parameter with state, an :class:`Entry` per slot, and
-the one rule that picks the slot driving a parameter's decisions."""
+"""What the engine tracks of one optimizer: a :class:`TrackedParam` per parameter with state, an :class:`Entry` per
+slot, and the one rule that picks the slot driving a parameter's decisions."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ WEIGHT_KEY = "weight"  # the slot key of a measured weight (per-parameter logs: 
 
 
 @dataclass(eq=False)
-class Unit:
-    """A parameter with optimizer state: its slots share one sample and are reset together."""
+class TrackedParam:
+    """A parameter with optimizer state, as the engine measures it: its slots share one sample and are reset
+    together."""
 
-    key: str
-    index: int  # position of the parameter in the optimizer's param groups
-    position: int  # position in the engine's unit list (and in the reset schedule's arrays)
+    key: str  # <prefix>.<index of the parameter in the optimizer's param groups>
+    position: int  # its place in the engine's list of tracked parameters, and its row in the ledger's arrays
     param: Tensor
     sample: Sample
     numel: int  # elements of this process's shard (all of the parameter unless it is a DTensor)
@@ -55,7 +55,7 @@ class Entry:
 
     key: str
     row: int
-    unit: Unit
+    unit: TrackedParam
     slot: Slot
 
     @property
@@ -78,7 +78,7 @@ def driver_slot(slots: Iterable[Slot]) -> Slot | None:
     return by_moment.get("v") or by_moment.get("m")
 
 
-def driver_group(unit: Unit) -> tuple[str, str, float | None]:
+def driver_group(unit: TrackedParam) -> tuple[str, str, float | None]:
     """(moment, format, beta) of a parameter's driver slot: parameters of one group share a drift reading, measured on
     the panel parameters of that group."""
     slot = driver_slot(unit.slots)

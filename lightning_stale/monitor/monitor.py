@@ -1,6 +1,6 @@
 """StaleStateMonitor: the components around any optimizer, in any training loop.
 
-Data flow per optimizer (an :class:`~lightning_stale.monitor.pipeline.OptimizerTrack` each): optimizer state ->
+Data flow per optimizer (an :class:`~lightning_stale.monitor.pipeline.OptimizerPipeline` each): optimizer state ->
 adapter (slots) -> :class:`~lightning_stale.measure.engine.StallEngine` (counts, in torch's optimizer step hooks) ->
 :class:`~lightning_stale.decide.ledger.ResetSchedule` (bookkeeping) and
 :class:`~lightning_stale.decide.forecast.StallForecast` (the theory) -> the policy and the remedy (decide) ->
@@ -29,14 +29,14 @@ from lightning_stale import _compat
 from lightning_stale.act.interventions import ListenerError, ResetEvent, ResetListener
 import lightning_stale.adapters as adapters
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.decide.ledger import ResetUnit
+from lightning_stale.decide.ledger import LedgerRow
 from lightning_stale.decide.remedies import GUARD, STOCHASTIC
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.monitor import metrics
 from lightning_stale.monitor.collective import Collective, Reduce, default_reduce, world_size
 from lightning_stale.monitor.messages import Notices, ParamNames, StaleStateInternalWarning, StaleStateWarning, info
 from lightning_stale.monitor.options import MonitorOptions
-from lightning_stale.monitor.pipeline import OptimizerTrack
+from lightning_stale.monitor.pipeline import OptimizerPipeline
 from lightning_stale.monitor.state import STATE_VERSION, upgrade
 from lightning_stale.vocab import QUANTITIES
 from lightning_stale.vocab import check_int
@@ -57,6 +57,7 @@ class StaleStateMonitor:
             optimizer.zero_grad()
             if step % 50 == 0:
                 print(monitor.compute())  # or writer.add_scalars / wandb.log / fabric.log_dict
+                monitor.reset_window()  # the next row covers the next 50 steps
         monitor.close()
 
     Args:
@@ -95,51 +96,51 @@ class StaleStateMonitor:
         if not sources:
             raise ValueError("StaleStateMonitor needs at least one optimizer (none was given)")
         self._names = ParamNames(names, len(sources))
-        self._tracks = [self._attach(i, source, coverage_steps, steps_taken) for i, source in enumerate(sources)]
+        self._pipelines = [self._attach(i, source, coverage_steps, steps_taken) for i, source in enumerate(sources)]
 
     # -- queries -----------------------------------------------------------------------------------------------------
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The raw optimizers whose step hooks the monitor uses."""
-        return [t.optimizer for t in self._tracks]
+        return [t.optimizer for t in self._pipelines]
 
     @property
     def steps(self) -> list[int]:
         """Real optimizer steps counted per optimizer (skipped steps excluded)."""
-        return [t.steps for t in self._tracks]
+        return [t.steps for t in self._pipelines]
 
     @property
     def reset_events(self) -> int:
         """Resets applied so far (one event may reset several parameters)."""
-        return sum(t.interventions.resets for t in self._tracks)
+        return sum(t.interventions.resets for t in self._pipelines)
 
     @property
     def remedy_resets(self) -> int:
         """Parameter resets the remedy made so far."""
-        return sum(t.interventions.remedy_resets for t in self._tracks)
+        return sum(t.interventions.remedy_resets for t in self._pipelines)
 
     def slots(self, optimizer_index: int = 0) -> list[Slot]:
         """The slots tracked for one optimizer (after its first step)."""
-        return [e.slot for e in self._tracks[optimizer_index].engine.entries.values()]
+        return [e.slot for e in self._pipelines[optimizer_index].engine.entries.values()]
 
-    def units(self, optimizer_index: int = 0) -> list[ResetUnit]:
+    def units(self, optimizer_index: int = 0) -> list[LedgerRow]:
         """The parameters of one optimizer as the reset policy sees them (ages, periods, reset counts)."""
-        return list(self._tracks[optimizer_index].schedule.units)
+        return list(self._pipelines[optimizer_index].schedule.units)
 
     def engines(self) -> list[StallEngine]:
         """The engine of each optimizer (its readouts: :meth:`StallEngine.tensors`, windows, drift)."""
-        return [t.engine for t in self._tracks]
+        return [t.engine for t in self._pipelines]
 
     def resident_bytes(self) -> int:
         """Memory the monitor keeps between steps, for budgeting: every tensor and array of its components (the
         optimizer state it reads is not counted)."""
         return sum(t.engine.resident_bytes() + t.forecast.resident_bytes() + t.schedule.resident_bytes()
                    + t.interventions.resident_bytes() + (t.writeback.resident_bytes() if t.writeback else 0)
-                   for t in self._tracks)
+                   for t in self._pipelines)
 
     def reset_periods(self) -> dict[str, int | None]:
         """The reset period chosen for each parameter (by name), once its state exists."""
-        return {t.name(u): u.period for t in self._tracks for u in t.schedule.units}
+        return {t.name(u): u.period for t in self._pipelines for u in t.schedule.units}
 
     def add_reset_listener(self, listener: ResetListener) -> None:
         """Call ``listener(event)`` with a :class:`ResetEvent` after every reset (e.g. to re-warm a learning rate)."""
@@ -147,7 +148,8 @@ class StaleStateMonitor:
 
     # -- metrics -----------------------------------------------------------------------------------------------------
     def compute(self) -> dict[str, float]:
-        """The metrics of every measured step since the previous call, summed across ranks; starts a new window.
+        """The metrics of every measured step since the last :meth:`reset_window`, summed across ranks. A readout:
+        calling it again gives the same row; call :meth:`reset_window` after logging a row to start the next one.
 
         A collective when ``reduce`` is set: call it on every rank at the same steps.
         """
@@ -160,9 +162,9 @@ class StaleStateMonitor:
         prefix = self.options.log_key_prefix
         vector = torch.zeros(len(QUANTITIES) * metrics.PER_MOMENT, dtype=torch.float64)
         per_param: dict[str, float] = {}
-        for t in self._tracks:
+        for t in self._pipelines:
             engine = t.engine
-            totals, predicted = engine.window(), t.forecast.take_window(engine.entries)
+            totals, predicted = engine.window(), t.forecast.window(engine.entries)
             predicted += t.weight_predictions(totals[:, metrics.COUNTED].numpy() > 0)
             drift = [(engine.entries[k].moment, value, engine.drift_weight(k)) for k, value in engine.drift().items()]
             vector += metrics.moment_vector(totals, [e.moment for e in engine.entries.values()], drift, predicted)
@@ -172,19 +174,25 @@ class StaleStateMonitor:
                         name = self._names(entry.unit.param, entry.unit.key, engine.prefix)
                         per_param[metrics.key(prefix, name, entry.slot.key, metrics.FRAC)] = \
                             row[metrics.STALLED] / row[metrics.COUNTED]
-        ages = np.concatenate([t.schedule.ages for t in self._tracks])
-        betas = [e.slot.beta for t in self._tracks for e in t.engine.entries.values()
+        ages = np.concatenate([t.schedule.ages for t in self._pipelines])
+        betas = [e.slot.beta for t in self._pipelines for e in t.engine.entries.values()
                  if e.moment == "v" and e.slot.beta is not None]
         row = metrics.row(self._collective.sum(vector), prefix, self.reset_events,
                           float(ages.mean()) if ages.size else None, sum(betas) / len(betas) if betas else None)
         if self.remedy is not None and row:  # decisions are agreed across ranks: rank-local counts are global
-            chosen = np.concatenate([t.schedule.arrays["remedy"] for t in self._tracks])
+            chosen = np.concatenate([t.schedule.arrays["remedy"] for t in self._pipelines])
             row.update(metrics.remedy_row(prefix, int((chosen == GUARD).sum()), int((chosen == STOCHASTIC).sum()),
                                           self.remedy_resets))
-        writebacks = [t.writeback for t in self._tracks if t.writeback is not None]
+        writebacks = [t.writeback for t in self._pipelines if t.writeback is not None]
         if writebacks and row:
             row[metrics.key(prefix, metrics.REMEDY, metrics.WEIGHTS)] = float(sum(w.handled for w in writebacks))
         return row, per_param
+
+    def reset_window(self) -> None:
+        """Start a new window: the next :meth:`compute` covers only the steps after this call (the optimizer states
+        and the reset bookkeeping are untouched)."""
+        for t in self._pipelines:
+            t.reset_window()
 
     # -- lifecycle and state -----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -192,8 +200,8 @@ class StaleStateMonitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for track in self._tracks:
-            track.close()
+        for pipeline in self._pipelines:
+            pipeline.close()
 
     def __enter__(self) -> StaleStateMonitor:
         return self
@@ -204,7 +212,7 @@ class StaleStateMonitor:
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "rank": _compat.global_rank(), "world_size": world_size(),
                 "policy": repr(self.policy),
-                "optimizers": [t.state_dict() for t in self._tracks]}
+                "optimizers": [t.state_dict() for t in self._pipelines]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (this version's or an earlier one's): counts in the current window,
@@ -217,10 +225,10 @@ class StaleStateMonitor:
         same on every rank and always restored."""
         state = upgrade(state)
         saved = state["optimizers"]
-        if len(saved) != len(self._tracks):
+        if len(saved) != len(self._pipelines):
             raise ValueError(
-                f"the saved monitor state tracks {len(saved)} optimizer(s) but {len(self._tracks)} are attached now. "
-                "Resume with the same optimizers, or drop the saved monitor state."
+                f"the saved monitor state tracks {len(saved)} optimizer(s) but {len(self._pipelines)} are attached "
+                "now. Resume with the same optimizers, or drop the saved monitor state."
             )
         same_policy = state.get("policy", repr(self.policy)) == repr(self.policy)
         if not same_policy:
@@ -228,8 +236,8 @@ class StaleStateMonitor:
                  f"{state['policy']}: reset periods are chosen by the new policy, ages and counts continue.")
         multi_process = state.get("world_size", 1) > 1 or world_size() > 1
         own_shadows = not multi_process or state.get("rank", 0) == _compat.global_rank()
-        for track, part in zip(self._tracks, saved):
-            track.load_state_dict(part, counts=not multi_process, shadows=own_shadows, periods=same_policy)
+        for pipeline, part in zip(self._pipelines, saved):
+            pipeline.load_state_dict(part, counts=not multi_process, shadows=own_shadows, periods=same_policy)
 
     def continue_from(self, previous: StaleStateMonitor) -> None:
         """Go on from a monitor of an earlier run in this process (a second ``fit`` of the same Trainer): its whole
@@ -237,26 +245,28 @@ class StaleStateMonitor:
         if [id(o) for o in previous.optimizers] == [id(o) for o in self.optimizers]:
             self.load_state_dict(previous.state_dict())
         else:
-            self._tracks[0].interventions.add_counts(previous.reset_events, previous.remedy_resets)
+            self._pipelines[0].interventions.add_counts(previous.reset_events, previous.remedy_resets)
 
     # -- attaching and the error shield ------------------------------------------------------------------------------
-    def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int) -> OptimizerTrack:
+    def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int) -> OptimizerPipeline:
         adapter = adapters.adapter_for(source, strict=self.options.strict)
-        track = OptimizerTrack(adapter, index, self.options, self._collective, self._names, self._notices.warn_once,
-                               self._listeners, coverage_steps, steps_taken)
+        pipeline = OptimizerPipeline(adapter, index, self.options, self._collective, self._names,
+                                     self._notices.warn_once, self._listeners, coverage_steps, steps_taken)
         optimizer = adapter.optimizer
-        self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._shielded(track.before_step, track)))
-        self._handles.append(optimizer.register_step_post_hook(lambda *_: self._shielded(track.after_step, track)))
-        self._handles.append(optimizer.register_load_state_dict_post_hook(lambda *_: track.engine.invalidate()))
-        return track
+        self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._shielded(pipeline.before_step,
+                                                                                        pipeline)))
+        self._handles.append(optimizer.register_step_post_hook(lambda *_: self._shielded(pipeline.after_step,
+                                                                                         pipeline)))
+        self._handles.append(optimizer.register_load_state_dict_post_hook(lambda *_: pipeline.engine.invalidate()))
+        return pipeline
 
-    def _shielded(self, hook: Callable[[], None], track: OptimizerTrack) -> None:
+    def _shielded(self, hook: Callable[[], None], pipeline: OptimizerPipeline) -> None:
         try:
             hook()
         except ListenerError:  # the user's own code failed: it reaches the user like any callback error
             raise
         except Exception as error:  # the monitor must never stop a training run
-            track.engine.discard()
+            pipeline.engine.discard()
             self._notices.warn_once(
                 f"{type(error).__name__}: {error}",
                 f"lightning_stale skipped a measurement after an unexpected error ({type(error).__name__}: {error}); "

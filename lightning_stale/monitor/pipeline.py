@@ -1,4 +1,4 @@
-"""OptimizerTrack: one watched optimizer's components and its step, in data-flow order: count (engine), align the
+"""OptimizerPipeline: one watched optimizer's components and its step, in data-flow order: count (engine), align the
 bookkeeping (schedule) and the theory (forecast), read the check-step signals, let the policy and the remedy decide,
 act (interventions). :class:`~lightning_stale.monitor.StaleStateMonitor` runs one per optimizer from torch's step
 hooks and turns their counts into metrics.
@@ -18,7 +18,7 @@ from lightning_stale.act.weights import writeback_for
 from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.decide import weight_theory
 from lightning_stale.decide.forecast import StallForecast, to_host
-from lightning_stale.decide.ledger import ResetSchedule, ResetUnit
+from lightning_stale.decide.ledger import LedgerRow, ResetSchedule, without_periods
 from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.monitor.announcement import fit_start_report, period_report, weight_report
@@ -30,13 +30,13 @@ from lightning_stale.vocab import WEIGHT
 RECENT_FOR_POLICY, RECENT_FOR_CHECKS = "policy", "checks"  # the readers of the engine's recent counts
 
 
-class OptimizerTrack:
+class OptimizerPipeline:
     """The components of one optimizer and what runs around its steps.
 
     Args:
         adapter: reads and resets the optimizer's state.
         index: the optimizer's position among the monitor's (``opt<index>`` names its parameters).
-        options: the monitor's options (their policy and remedy objects are shared by every track).
+        options: the monitor's options (their policy and remedy objects are shared by every pipeline).
         collective: sums across ranks.
         names: readable parameter names; ``warn``: one-time warnings; ``listeners``: the monitor's reset listeners.
         coverage_steps: every parameter is measured within this many measured steps; also the check interval.
@@ -76,7 +76,7 @@ class OptimizerTrack:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.adapter.optimizer
 
-    def name(self, unit: ResetUnit) -> str:
+    def name(self, unit: LedgerRow) -> str:
         """A parameter's readable name."""
         return self._names(unit.param, unit.key, self.engine.prefix)
 
@@ -247,12 +247,17 @@ class OptimizerTrack:
             out[rows] = to_host(sums)
         return out
 
+    def reset_window(self) -> None:
+        """Start a new window of counts and predicted stalls (what the monitor's ``compute()`` reads)."""
+        self.engine.reset_window()
+        self.forecast.reset_window(self.engine.entries)
+
     def close(self) -> None:
         """Remove the write-back's hooks (restoring the real lr)."""
         if self.writeback is not None:
             self.writeback.close()
 
-    def configure(self, units: list[ResetUnit]) -> None:
+    def configure(self, units: list[LedgerRow]) -> None:
         if self.policy is not None:
             for unit in units:
                 self.policy.configure(unit)
@@ -278,8 +283,8 @@ class OptimizerTrack:
         shadows are this process's (see the monitor); ``periods``: whether the saved periods continue."""
         self.steps = int(state["steps"])
         self.engine.load_state_dict(state["engine"], counts=counts, shadows=shadows)
-        self.forecast.load_state_dict(state["forecast"], window=counts)
-        self.schedule.load_state_dict(state["schedule"], periods=periods)
+        self.forecast.load_state_dict(state["forecast"] if counts else {})
+        self.schedule.load_state_dict(state["schedule"] if periods else without_periods(state["schedule"]))
         self.interventions.load_state_dict(state["interventions"])
         if self.writeback is not None and "weights" in state:
             self.writeback.load_state_dict(state["weights"])

@@ -40,6 +40,7 @@ def train(model, opt, monitor, steps: int, start: int) -> list[dict[str, float]]
             o.zero_grad()
         if (step + 1) % 4 == 0:
             rows.append(monitor.compute())
+            getattr(monitor, "reset_window", lambda: None)()  # at 7cc68ad compute() started the next window itself
     return rows
 
 
