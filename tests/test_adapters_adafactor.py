@@ -107,7 +107,7 @@ def test_factor_stalls_are_counted_per_element_of_the_matrix() -> None:
         _train(model, opt, range(1))
         for state in opt.state.values():
             state["step"].fill_(1000.0)
-        monitor.compute()
+        monitor.reset_window()
         state = opt.state[weight]
         _backward(model, 1)
         old = {key: state[key].clone() for key in ("row_var", "col_var")}

@@ -108,7 +108,7 @@ def test_quantized_adamw_trains_in_it_and_the_monitor_measures_its_stall(uniform
     model, optimizer = _model_and_optimizer()
     monitor = StaleStateMonitor(optimizer, track="exact", names=model, log_per_param=True)
     _train(model, optimizer, 3)
-    monitor.compute()  # closes the first window
+    monitor.reset_window()  # closes the first window
     counts = [0, 0]
     _train(model, optimizer, 7, counts)
     metrics = monitor.compute()
