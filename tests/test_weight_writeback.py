@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_stale.act import weights as weights_module
-from lightning_stale.act.weights import WeightWriteBack, noise_bits, stochastic_round
+from lightning_stale.act.weights import WeightWriteBack, _counters, _Entry, _fused_write, _hash, noise_bits, \
+    stochastic_round
 from lightning_stale.optim import QuantizedAdamW
 
 with warnings.catch_warnings():
@@ -139,6 +140,31 @@ def test_stochastic_rounding_is_unbiased_and_keyed_not_random():
     assert not torch.equal(noise, noise_bits(value.numel(), 3, 8, 2, value.device))
 
 
+def test_batched_noise_is_each_parameters_own():
+    """One hash over several parameters' ranges laid end to end draws, for each element, what ``noise_bits`` draws
+    for it alone."""
+    entries = [_Entry(index, torch.empty(n), None, True, "addcdiv", 1.0, 0.0, 1.0, 0.0, step)
+               for index, n, step in ((0, 5000, 7), (3, 70_000, 7), (4, 300, 8))]
+    batch = [(entries[0], 0, 5000), (entries[1], 1000, 70_000), (entries[2], 0, 300)]
+    bits = _hash(_counters(batch, 5, torch.device("cpu")))
+    alone = torch.cat([noise_bits(b - a, 5, e.step, e.index, torch.device("cpu"), a) for e, a, b in batch])
+    assert torch.equal(bits & 0xFFFF, alone)
+
+
+@pytest.mark.skipif(not weights_module._compat.compiler_available(), reason="torch.compile needs a C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_write_equals_the_eager_one_bit_for_bit(dtype):
+    """The fused write-back (torch.compile) and its eager fallback give the same bits."""
+    gen = torch.Generator().manual_seed(0)
+    n = weights_module.COMPILE_MIN_NUMEL + 77
+    w, m = (torch.randn(n, generator=gen) for _ in range(2))
+    v = torch.rand(n, generator=gen) * 1e-3
+    counter = torch.randint(-2**31, 2**31 - 1, (n,), generator=gen, dtype=torch.int32)
+    hyper = torch.tensor([0.9999, 1.0, 0.3, 1e-8, -1e-3, 2.0])
+    eager = _fused_write(w, m, v, counter, hyper, dtype)
+    assert torch.equal(eager, weights_module._compiled_fused_write()(w, m, v, counter, hyper, dtype))
+
+
 def test_same_seed_same_weights_like_replicated_ranks():
     weights = []
     for _ in range(2):
@@ -257,7 +283,7 @@ def test_chunked_writes_equal_whole_writes(name, rounding, monkeypatch):
     make = FAMILIES[name][0]
     results = []
     for chunk in (weights_module.CHUNK_ELEMENTS, 1000):
-        monkeypatch.setattr(weights_module, "CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(weights_module, "CPU_CHUNK_ELEMENTS", chunk)
         model = _model()
         opt = make(model.parameters())
         writeback = WeightWriteBack(opt, rounding, seed=5)

@@ -4,7 +4,9 @@ A step's update ``lr * m_hat / (sqrt(v_hat) + eps)`` smaller than half a bf16 we
 rounds away. :class:`WeightWriteBack` suppresses the optimizer's own parameter write (its group lr is 0 for the step,
 so it still updates its moments and step counter), then recomputes the update in fp32 from the optimizer's own
 updated state (dequantized where 8-bit), exactly as that optimizer computes it, and writes the weight with nearest,
-stochastic or compensated (Kahan) rounding. fp32 parameters are left to the optimizer untouched.
+stochastic or compensated (Kahan) rounding. fp32 parameters are left to the optimizer untouched. Parameters are
+written in chunks laid end to end in flat buffers; stochastic rounding runs as one fused pass per chunk
+(``torch.compile`` where a compiler works, the same ops eagerly otherwise).
 
 Supported: ``torch.optim.Adam``/``AdamW`` (for-loop, foreach, fused), bitsandbytes Adam/AdamW 32-bit, 8-bit
 block-wise and paged, and :class:`lightning_stale.optim.QuantizedAdamW`.
@@ -12,14 +14,17 @@ block-wise and paged, and :class:`lightning_stale.optim.QuantizedAdamW`.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from functools import cache
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from lightning_stale import _compat
 from lightning_stale._compat import local_tensor, shard_flat_start
 from lightning_stale.formats.base import NOISE_BITS
 from lightning_stale.formats.floats import stochastic_round_float
@@ -34,10 +39,18 @@ SUPPORTED = (
     "bitsandbytes Adam/AdamW 32-bit, 8-bit block-wise and paged, lightning_stale.optim.QuantizedAdamW"
 )
 _MASK32 = (1 << 32) - 1
+_NOISE_MASK = (1 << NOISE_BITS) - 1
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+COMPILE_MIN_NUMEL = 1 << 16  # smaller chunks run the write-back's math eagerly (a compile costs seconds, once)
+_compile_failed = False  # set when torch.compile failed here once; the eager ops are used from then on
 _BNB_BLOCK = 256  # bitsandbytes 8-bit optimizer states are quantized in blocks of 256 elements
 # Elements written per batched pass: the fp32 copies and the noise of one pass are its only transient memory, so the
-# peak stays bounded (about 20 bytes per element of a chunk) whatever the size of the model or of its largest tensor.
+# peak stays bounded (about 30 bytes per element of a chunk) whatever the size of the model or of its largest tensor.
+# On an accelerator large passes amortize the kernel launches (its caching allocator reuses the buffers); on a CPU a
+# small pass stays in cache and malloc reuses its buffers, where large ones are mapped and page-faulted afresh.
 CHUNK_ELEMENTS = 1 << 22
+CPU_CHUNK_ELEMENTS = 1 << 18
 
 # How the fp32 weight is computed from (w, m, v) and the per-parameter scalars, one per optimizer implementation:
 #   "addcdiv":   w * decay, then w + (-step_size) * m / (sqrt(v) / bc2_sqrt + eps)      torch.optim, bnb 8-bit CPU
@@ -57,36 +70,99 @@ def _mix32(x: int) -> int:
     return x ^ (x >> 16)
 
 
+def _key(seed: int, step: int, index: int) -> int:
+    """The noise key of (seed, optimizer step, parameter index)."""
+    return _mix32(_mix32(_mix32(seed) ^ step) ^ index)
+
+
+def _int32(x: int) -> int:
+    """``x`` modulo 2^32 as a signed 32-bit value (what an int32 tensor holds)."""
+    x &= _MASK32
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def _hash(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (lowbias32) of int32 ``x``: two's-complement wrapping products and logical shifts by
+    masking, so the bits equal the unsigned 32-bit hash on every device, eager or compiled (int32: half the traffic of
+    int64)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * 0x2C1B3C6D
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
 def noise_bits(numel: int, seed: int, step: int, index: int, device: torch.device, start: int = 0) -> Tensor:
     """Uniform int32 noise in [0, 2^NOISE_BITS) for the ``numel`` elements from flat position ``start`` on, a
     counter-based hash of each element's index keyed by (seed, optimizer step, parameter index): no RNG state, no
     rank, so replicated ranks draw the same, and a parameter written in chunks draws what it would draw whole."""
-    key = _mix32(_mix32(_mix32(seed) ^ step) ^ index)
-    x = torch.arange(start, start + numel, dtype=torch.int64, device=device).add_(key).bitwise_and_(_MASK32)
-    x.bitwise_xor_(x >> 16).mul_(0x7FEB352D).bitwise_and_(_MASK32)
-    x.bitwise_xor_(x >> 15).mul_(0x2C1B3C6D).bitwise_and_(_MASK32)
-    x.bitwise_xor_(x >> 16)
-    return x.bitwise_and_((1 << NOISE_BITS) - 1).to(torch.int32)
+    x = torch.arange(numel, dtype=torch.int32, device=device).add_(_int32(_key(seed, step, index) + start))
+    return _hash(x).bitwise_and_(_NOISE_MASK)
+
+
+def _on_grid(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
+    """fp32 ``x`` stochastically rounded onto ``dtype``'s grid (see :func:`stochastic_round`), still in fp32: Inductor
+    vectorizes the bit cast back to fp32, not one followed by a conversion to bf16."""
+    if dtype == torch.bfloat16:  # add 16 random bits below bf16's mantissa and truncate them
+        shift = 16 - NOISE_BITS
+        bits = x.clamp(-_BF16_MAX, _BF16_MAX).view(torch.int32) + (noise << shift if shift else noise)
+        return (bits & -65536).view(torch.float32)
+    return stochastic_round_float(x, 10, -14, _FP16_MAX, noise)
 
 
 def stochastic_round(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
     """fp32 ``x`` rounded to ``dtype`` (bf16 or fp16) stochastically: up with probability (x - lower) / ulp, driven by
     ``noise`` (int32 in [0, 2^NOISE_BITS), shaped like ``x``); saturates at the format's largest finite value."""
-    if dtype == torch.bfloat16:  # add 16 random bits below bf16's mantissa and truncate them
-        limit = torch.finfo(torch.bfloat16).max
-        bits = x.clamp(-limit, limit).view(torch.int32).add_(noise << (16 - NOISE_BITS))
-        return bits.bitwise_and_(-65536).view(torch.float32).to(dtype)
-    return stochastic_round_float(x, 10, -14, float(torch.finfo(torch.float16).max), noise).to(dtype)
+    return _on_grid(x, dtype, noise).to(dtype)
 
 
-Moments = Callable[[int, int], tuple[Tensor, Tensor]]  # (start, stop) -> fp32 m and v of those flat elements
+def _fused_write(w: Tensor, m: Tensor, v: Tensor, counter: Tensor, hyper: Tensor, dtype: torch.dtype) -> Tensor:
+    """A chunk of parameters laid end to end in fp32: the weight update from this step's moments ``m``, ``v`` in any
+    supported optimizer's form (see ``Formula``), stochastically rounded onto ``dtype``'s grid (noise: the hash of
+    ``counter``).
+
+    Separate products and sums, no fused ops, and a correctly rounded square root (Inductor's fp32 one; eagerly
+    through fp64, as torch's eager fp32 CPU sqrt is off by an ulp for a fifth of inputs): eager and compiled results
+    are bit-identical. ``hyper``: fp32 (decay before the update, decay after it, divisor of sqrt(v), eps, step size,
+    bound of ``|m / denom|``). Returns w in fp32, on ``dtype``'s grid."""
+    decay, decay_after, bc2_sqrt, eps, step_size, bound = hyper.unbind()
+    root = v.sqrt() if torch.compiler.is_compiling() else v.double().sqrt().float()  # both correctly rounded
+    ratio = (m / (root / bc2_sqrt + eps)).clamp(-bound, bound)
+    w = (w * decay + step_size * ratio) * decay_after
+    return _on_grid(w, dtype, _hash(counter) & _NOISE_MASK)
+
+
+@cache
+def _compiled_fused_write() -> Callable[..., Tensor]:
+    """:func:`_fused_write` compiled with dynamic shapes: one fused loop per chunk (dynamo specializes it per dtype)."""
+    return torch.compile(_fused_write, dynamic=True)
+
+
+def _run_fused_write(*args: Any) -> Tensor:
+    """:func:`_fused_write`, compiled for chunks of at least COMPILE_MIN_NUMEL elements where a compiler works (the
+    same bits, faster), else eagerly."""
+    global _compile_failed
+    w = args[0]
+    if w.numel() >= COMPILE_MIN_NUMEL and not _compile_failed and (w.device.type != "cpu"
+                                                                   or _compat.compiler_available()):
+        try:
+            return _compiled_fused_write()(*args)
+        except Exception as error:  # noqa: BLE001 - no working compiler here: the eager ops give the same bits
+            _compile_failed = True
+            _compat.log.info("[lightning_stale] the compiled weight write-back is unavailable (%s); using eager ops",
+                             error)
+    return _fused_write(*args)
+
+
+# (start, stop) -> m and v of those flat elements: fp32, or views of torch's stored bf16/fp16 moments (read as fp32)
+Moments = Callable[[int, int], tuple[Tensor, Tensor]]
 
 
 class _Entry:
     """One parameter the write-back handles at this step: how to read its moments, and the scalars of its update.
 
-    ``moments(start, stop)`` reads the fp32 moments of a flat range only when that range is written, so no more than
-    one chunk of them exists at a time; ``split`` says whether the parameter may be written in ranges (its moments
+    ``moments(start, stop)`` reads the moments of a flat range only when that range is written, so no more than one
+    chunk of them exists in fp32 at a time; ``split`` says whether the parameter may be written in ranges (its moments
     can be read by range)."""
 
     __slots__ = ("index", "param", "moments", "split", "formula", "decay", "step_size", "bc2_sqrt", "eps", "step",
@@ -99,6 +175,14 @@ class _Entry:
         self.decay, self.step_size, self.bc2_sqrt, self.eps, self.step = decay, step_size, bc2_sqrt, eps, step
         self.bound = bound  # |m / denom| limit for moments stored as codes (see _fp32_update), else None
         self.start = start  # flat position of ``param``'s first element in the whole parameter (a DTensor shard's)
+
+    def hyper(self) -> tuple[float, ...]:
+        """The scalars of :func:`_fused_write` for this parameter's formula."""
+        after = self.formula == "bnb_cuda"
+        scaled_eps = self.formula in ("bnb32", "bnb_cuda")  # sqrt(v) + eps * c2
+        return (1.0 if after else self.decay, self.decay if after else 1.0,
+                1.0 if scaled_eps else self.bc2_sqrt, self.eps * self.bc2_sqrt if scaled_eps else self.eps,
+                self.step_size, math.inf if self.bound is None else self.bound)
 
 
 def _flat_range(tensor: Tensor, start: int, stop: int) -> Tensor:
@@ -298,7 +382,7 @@ class WeightWriteBack:
             return
         lrs = {id(group): lr for group, lr in self._saved_lrs}
         self._restore_lr()
-        by_key: dict[tuple[torch.device, torch.dtype, str, bool], list[_Entry]] = defaultdict(list)
+        by_key: dict[tuple[Any, ...], list[_Entry]] = defaultdict(list)
         for index, position, group, param in self._handled():
             before = self._steps_before.get(index)
             if before is None or id(group) not in lrs:
@@ -307,10 +391,16 @@ class WeightWriteBack:
             if step != before + 1:  # skipped (no grad, GradScaler inf/nan): the weight stays as it is
                 continue
             entry = self._entry(index, position, group, param, lrs[id(group)], step)
-            by_key[(param.device, param.dtype, entry.formula, entry.bound is not None)].append(entry)
-        for (_, _, formula, bounded), entries in by_key.items():
-            for batch in _chunks(entries, CHUNK_ELEMENTS):
-                self._write(batch, formula, bounded)
+            # stochastic rounding: _fused_write, a batch per set of its scalars; nearest and compensated rounding: the
+            # optimizer's own op sequence
+            fused = entry.hyper() if self.rounding == "stochastic" else None
+            by_key[(param.device, param.dtype, entry.formula, entry.bound is not None, fused)].append(entry)
+        for (device, _, formula, bounded, fused), entries in by_key.items():
+            for batch in _chunks(entries, CPU_CHUNK_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS):
+                if fused:
+                    self._write_fused(batch)
+                else:
+                    self._write(batch, formula, bounded)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Reading the optimizer's state
@@ -337,10 +427,9 @@ class WeightWriteBack:
             # position in the whole parameter, so no two shards draw alike and replicated ranks draw the same.
             m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
             split = m.is_contiguous() and v.is_contiguous()
-            return _Entry(index, local_tensor(param),
-                          lambda a, b: (_flat_range(m, a, b).float(), _flat_range(v, a, b).float()), split, "addcdiv",
-                          decay, -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, group["eps"], step,
-                          start=shard_flat_start(param))
+            return _Entry(index, local_tensor(param), lambda a, b: (_flat_range(m, a, b), _flat_range(v, a, b)),
+                          split, "addcdiv", decay, -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, group["eps"],
+                          step, start=shard_flat_start(param))
         if self.family == "bnb":
             config = self.optimizer.get_config(*position, group)
             beta1, beta2 = config["betas"][0], config["betas"][1]
@@ -382,27 +471,39 @@ class WeightWriteBack:
     # The write
 
     def _write(self, batch: list[tuple[_Entry, int, int]], formula: Formula, bounded: bool) -> None:
-        """One batched pass over flat ranges of parameters sharing a device, dtype and formula: the fp32 target
-        weight, then its rounding."""
+        """One batched pass over flat ranges of parameters sharing a device, dtype and formula, in flat fp32 buffers
+        (an op per step of the math, not per tensor): the fp32 target weight with the optimizer's own ops, then its
+        nearest or compensated rounding."""
         entries = [e for e, _, _ in batch]
+        sizes = [b - a for _, a, b in batch]
         params = [_flat_range(e.param, a, b) for e, a, b in batch]
-        weights = [p.float() for p in params]
+        weight = _gather(params, sizes)
+        weights = list(weight.split(sizes))
         if self.rounding == "compensated":  # the stored weight plus its residual is the weight being optimized
             buffers = [_flat_range(self._buffer(e), a, b) for e, a, b in batch]
-            torch._foreach_add_(weights, [b.float() for b in buffers])
+            weight.add_(_gather(buffers, sizes))
         moments = [e.moments(a, b) for e, a, b in batch]
-        _fp32_update(weights, [m for m, _ in moments], [v for _, v in moments], entries, formula, bounded)
+        ms, vs = (_fp32([pair[i] for pair in moments], sizes) for i in (0, 1))
         del moments
-        if self.rounding == "nearest":
-            torch._foreach_copy_(params, weights)
-        elif self.rounding == "stochastic":
-            rounded = [stochastic_round(w, p.dtype, noise_bits(w.numel(), self.seed, e.step, e.index, w.device, e.start + a))
-                       for w, p, (e, a, _) in zip(weights, params, batch)]
-            torch._foreach_copy_(params, rounded)
-        else:
-            torch._foreach_copy_(params, weights)
-            torch._foreach_sub_(weights, [p.float() for p in params])  # exact: |target - nearest| <= ulp / 2
-            torch._foreach_copy_(buffers, weights)
+        _fp32_update(weights, ms, vs, entries, formula, bounded)
+        del ms, vs
+        _scatter(params, weight, sizes)
+        if self.rounding == "compensated":
+            weight.sub_(_gather(params, sizes))  # exact: |target - nearest| <= ulp / 2
+            _scatter(buffers, weight, sizes)
+
+    def _write_fused(self, batch: list[tuple[_Entry, int, int]]) -> None:
+        """Flat ranges of parameters sharing a device, dtype and scalars through :func:`_fused_write`: weights and
+        moments gathered into flat fp32, the rounded weights written back in place."""
+        sizes = [b - a for _, a, b in batch]
+        params = [_flat_range(e.param, a, b) for e, a, b in batch]
+        moments = [e.moments(a, b) for e, a, b in batch]
+        device = params[0].device
+        hyper = torch.tensor(batch[0][0].hyper(), dtype=torch.float32, device=device)
+        weight = _run_fused_write(_gather(params, sizes), _gather([m for m, _ in moments], sizes),
+                                  _gather([v for _, v in moments], sizes), _counters(batch, self.seed, device), hyper,
+                                  params[0].dtype)
+        _scatter(params, weight, sizes)
 
     def _buffer(self, entry: _Entry) -> Tensor:
         buffer = self.compensation.get(entry.index)
@@ -443,6 +544,42 @@ class WeightWriteBack:
     def resident_bytes(self) -> int:
         """Bytes the write-back keeps between steps (the compensation buffers)."""
         return sum(b.numel() * b.element_size() for b in self.compensation.values())
+
+
+def _counters(batch: list[tuple[_Entry, int, int]], seed: int, device: torch.device) -> Tensor:
+    """What :func:`noise_bits` hashes for each element of ``batch``'s flat ranges laid end to end (int32): its flat
+    position in the whole parameter (a shard's count from the shard's start) plus the key of (seed, the parameter's
+    step and index)."""
+    sizes = [b - a for _, a, b in batch]
+    x = torch.arange(sum(sizes), dtype=torch.int32, device=device)
+    offsets = itertools.accumulate(sizes[:-1], initial=0)
+    bases = [_int32(_key(seed, e.step, e.index) + e.start + a - o) for (e, a, _), o in zip(batch, offsets)]
+    torch._foreach_add_(list(x.split(sizes)), bases)
+    return x
+
+
+def _views(flat: Tensor, like: list[Tensor], sizes: list[int]) -> list[Tensor]:
+    """The consecutive ranges of ``flat`` (``sizes`` elements each) shaped like ``like``."""
+    return [part.view(t.shape) for part, t in zip(flat.split(sizes), like)]
+
+
+def _gather(tensors: list[Tensor], sizes: list[int]) -> Tensor:
+    """``tensors`` (``sizes`` elements each) copied end to end into one flat fp32 tensor on their device."""
+    out = torch.empty(sum(sizes), dtype=torch.float32, device=tensors[0].device)
+    torch._foreach_copy_(_views(out, tensors, sizes), tensors)
+    return out
+
+
+def _scatter(targets: list[Tensor], flat: Tensor, sizes: list[int]) -> None:
+    """The consecutive ranges of ``flat`` copied into ``targets`` in place (rounded to nearest in their dtype)."""
+    torch._foreach_copy_(targets, _views(flat, targets, sizes))
+
+
+def _fp32(tensors: list[Tensor], sizes: list[int]) -> list[Tensor]:
+    """``tensors`` as flat fp32 tensors to read: themselves where they already are, else views of one copy."""
+    if all(t.dtype == torch.float32 and t.dim() == 1 for t in tensors):
+        return tensors
+    return list(_gather(tensors, sizes).split(sizes))
 
 
 def _bnb_moment(state: dict[str, Any], i: int, start: int, stop: int) -> Tensor:
