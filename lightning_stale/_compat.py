@@ -9,7 +9,8 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
@@ -143,6 +144,16 @@ def shard_flat_start(tensor: Any) -> int:
     for d in range(tensor.dim() - 2, -1, -1):
         strides[d] = strides[d + 1] * tensor.shape[d + 1]
     return sum(int(o) * s for o, s in zip(offset, strides))
+
+
+def register_first_step_post_hook(optimizer: Any, hook: Callable[..., None]) -> Any:
+    """``optimizer.register_step_post_hook(hook)``, moved before the post-step hooks registered earlier (the order of
+    torch's private ``_optimizer_step_post_hooks``); after them where that dict is gone. Returns the handle."""
+    handle = optimizer.register_step_post_hook(hook)
+    hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)
+    if isinstance(hooks, OrderedDict) and handle.id in hooks:
+        hooks.move_to_end(handle.id, last=False)
+    return handle
 
 
 def unwrap_lightning_optimizer(optimizer: Any) -> Any:

@@ -118,7 +118,8 @@ def state_hashes(optimizer) -> dict[str, str]:
 
 def main(out: Path, kind: str, steps: int, resume: str | None) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
-    weights = {"torch-wsr": "stochastic", "torch-wkahan": "compensated"}.get(kind)
+    weights = {"torch-wsr": "stochastic", "torch-wsrm": "stochastic+moments",
+               "torch-wkahan": "compensated"}.get(kind)
     callback = StaleStateCallback(track="exact", reset="periodic", every=6, seed=rank, weights=weights)
     resets: list[dict] = []
     callback.add_reset_listener(lambda event: resets.append({"step": event.step, "state": state_hashes(event.optimizer)}))

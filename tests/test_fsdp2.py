@@ -71,13 +71,15 @@ def test_fsdp2_resume_mid_cycle_is_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_weight_write_back_writes_each_shard_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("kind", ["torch-wsr", "torch-wsrm"])
+def test_fsdp2_weight_write_back_writes_each_shard_and_resumes_exactly(tmp_path, kind):
     """``weights="stochastic"`` on FSDP2 bf16 shards: each rank writes its own shard (noise keyed by the element's
     place in the whole parameter: rank 1's shards start where rank 0's end), the weights differ from nearest
-    rounding's, and a resume mid-run ends on bit-identical shards."""
+    rounding's, and a resume mid-run ends on bit-identical shards; likewise with ``"stochastic+moments"`` (the
+    gradients hidden from torch's step are DTensors, the moments written are this rank's shards)."""
     nearest = launch(tmp_path / "nearest", "torch")
-    full = launch(tmp_path, "torch-wsr")
-    resumed = launch(tmp_path, "torch-wsr", resume=tmp_path / "ckpt" / "epoch=0-step=8.ckpt")
+    full = launch(tmp_path, kind)
+    resumed = launch(tmp_path, kind, resume=tmp_path / "ckpt" / "epoch=0-step=8.ckpt")
     rank0, rank1 = full
     assert rank0["shard_starts"] == [0] * len(rank0["shard_sizes"])
     assert rank1["shard_starts"] == rank0["shard_sizes"]  # even dim-0 shards: rank 1's start after rank 0's

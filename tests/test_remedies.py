@@ -174,13 +174,22 @@ def test_auto_switches_a_drifting_moment_to_stochastic_rounding_where_it_can():
 
 
 def test_auto_resets_a_drifting_moment_where_rounding_cannot_change():
-    monitor, resets, _ = decaying_bf16(500, kind="torch_bf16", remedy="auto")
+    # weights="off": without the weight write-back, torch's bf16 moments keep torch's nearest rounding
+    monitor, resets, _ = decaying_bf16(500, kind="torch_bf16", remedy="auto", weights="off")
     assert resets and 380 <= resets[0] <= 460
     row = monitor.compute()
     assert row[RESET_KEY] == monitor.remedy_resets >= 1 and row[GUARD_KEY] == 0.0 and row[SR_KEY] == 0.0
-    again, _, _ = decaying_bf16(1, kind="torch_bf16", remedy="auto")
+    again, _, _ = decaying_bf16(1, kind="torch_bf16", remedy="auto", weights="off")
     again.load_state_dict(monitor.state_dict())
     assert again.remedy_resets == monitor.remedy_resets
+
+
+def test_auto_write_back_rounds_torchs_bf16_moments_so_they_do_not_drift():
+    """The same run with the write-back (auto takes the stalling weights over at fit start): it also computes and
+    stochastically rounds the bf16 moments, so v follows its fp32 EMA and no reset is needed."""
+    monitor, resets, _ = decaying_bf16(500, kind="torch_bf16", remedy="auto")
+    row = monitor.compute()
+    assert resets == [] and row["stale/remedy/weights"] == 1.0 and row["stale/v/drift"] < 1.1  # measured: 1.005
 
 
 def test_auto_leaves_healthy_fp32_training_untouched():

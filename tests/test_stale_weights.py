@@ -90,6 +90,10 @@ def test_weights_choice_on_an_unsupported_optimizer_is_a_configuration_error():
         StaleStateMonitor(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), weights="stochastic", strict=False)
     with pytest.raises(ValueError, match="`weights` must be one of"):
         StaleStateCallback(weights="kahan")
+    from lightning_stale.optim import QuantizedAdamW
+
+    with pytest.raises(ValueError, match="`weights`='stochastic\\+moments'.*torch.optim Adam/AdamW only"):
+        StaleStateMonitor(QuantizedAdamW(model.parameters(), state_format="bf16"), weights="stochastic+moments")
     monitor = StaleStateMonitor(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), remedy="auto",
                                 strict=False)  # auto: the weights stay the optimizer's own
     assert all(t.writeback is None for t in monitor._pipelines)
@@ -121,7 +125,8 @@ def test_compensated_write_back_resumes_bit_exactly_from_the_monitor_state():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
 
 
-def test_trainer_bf16_true_logs_weight_stall_and_writes_weights():
+@pytest.mark.parametrize("weights", ["stochastic", "stochastic+moments"])
+def test_trainer_bf16_true_logs_weight_stall_and_writes_weights(weights):
     import lightning.pytorch as pl
 
     class Tiny(pl.LightningModule):
@@ -136,7 +141,7 @@ def test_trainer_bf16_true_logs_weight_stall_and_writes_weights():
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 64)), batch_size=8)
-    callback = StaleStateCallback(weights="stochastic")
+    callback = StaleStateCallback(weights=weights)
     trainer = pl.Trainer(accelerator="cpu", precision="bf16-true", max_steps=8, log_every_n_steps=4, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[callback])
@@ -144,11 +149,15 @@ def test_trainer_bf16_true_logs_weight_stall_and_writes_weights():
     metrics = trainer.callback_metrics
     assert 0.0 <= float(metrics["stale/w/frac"]) <= 1.0 and float(metrics["stale/remedy/weights"]) == 4.0
     assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-4  # the real lr outside the step
+    assert all(float(s["step"]) == 8.0 for s in trainer.optimizers[0].state.values())
 
 
-def test_trainer_resume_with_compensated_weights_equals_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("weights", ["compensated", "stochastic+moments"])
+def test_trainer_resume_with_the_write_back_equals_the_uninterrupted_run(tmp_path, weights):
     """bf16-true with ``weights="compensated"``: the compensation buffers travel in the Trainer checkpoint (the
-    callback's state), so a run resumed at step 6 ends with the uninterrupted run's weights, bit for bit."""
+    callback's state), so a run resumed at step 6 ends with the uninterrupted run's weights, bit for bit; with
+    ``"stochastic+moments"`` the moments the write-back rounds are the optimizer's own state, and its noise is keyed
+    by step."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -170,7 +179,7 @@ def test_trainer_resume_with_compensated_weights_equals_the_uninterrupted_run(tm
 
     def fit(root, ckpt_path=None, save=False):
         model = ByIndex()
-        callbacks = [StaleStateCallback(weights="compensated")]
+        callbacks = [StaleStateCallback(weights=weights)]
         if save:
             callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1))
         trainer = pl.Trainer(accelerator="cpu", precision="bf16-true", max_steps=12, log_every_n_steps=4,

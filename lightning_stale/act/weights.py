@@ -8,6 +8,11 @@ stochastic or compensated (Kahan) rounding. fp32 parameters are left to the opti
 written in chunks laid end to end in flat buffers; stochastic rounding runs as one fused pass per chunk
 (``torch.compile`` where a compiler works, the same ops eagerly otherwise).
 
+torch.optim keeps a bf16 parameter's moments in bf16, where ``v * 0.999`` rounds back to ``v``: with ``moments=
+"stochastic"`` the write-back owns those parameters' whole step. Their gradient is hidden from torch's step (which then
+skips them), and the moments are computed in fp32 from the stored ones and the gradient, stored with stochastic
+rounding, and the weight is updated from the unrounded fp32 moments.
+
 Supported: ``torch.optim.Adam``/``AdamW`` (for-loop, foreach, fused), bitsandbytes Adam/AdamW 32-bit, 8-bit
 block-wise and paged, and :class:`lightning_stale.optim.QuantizedAdamW`.
 """
@@ -31,15 +36,20 @@ from lightning_stale.formats.floats import stochastic_round_float
 
 Rounding = Literal["stochastic", "compensated", "nearest"]
 ROUNDINGS: tuple[str, ...] = ("stochastic", "compensated", "nearest")
-# The monitor's ``weights`` option: off, or a rounding of the write-back ("nearest" is the conformance mode only).
-WEIGHT_WRITES: tuple[str, ...] = ("off", "stochastic", "compensated")
+# Who writes torch.optim's moments: the optimizer, or the write-back with that rounding ("nearest": conformance only).
+MomentRounding = Literal["optimizer", "stochastic", "nearest"]
+MOMENT_ROUNDINGS: tuple[str, ...] = ("optimizer", "stochastic", "nearest")
+# The monitor's ``weights`` option: off, or a rounding of the write-back ("nearest" is the conformance mode only);
+# "stochastic+moments" also rounds torch.optim's bf16/fp16 moments stochastically.
+WEIGHT_WRITES: tuple[str, ...] = ("off", "stochastic", "compensated", "stochastic+moments")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SUPPORTED = (
     "torch.optim.Adam/AdamW (for-loop, foreach, fused; no amsgrad, capturable or differentiable), "
     "bitsandbytes Adam/AdamW 32-bit, 8-bit block-wise and paged, lightning_stale.optim.QuantizedAdamW"
 )
 _MASK32 = (1 << 32) - 1
-_NOISE_MASK = (1 << NOISE_BITS) - 1
+_NOISE_MASK = (1 << NOISE_BITS) - 1  # NOISE_BITS <= 16: one 32-bit hash serves two noises (its low and high halves)
+_MOMENT_STREAM = 0x6D6F6D73  # the moments' noise hashes the weights' hash xor this
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 COMPILE_MIN_NUMEL = 1 << 16  # smaller chunks run the write-back's math eagerly (a compile costs seconds, once)
@@ -116,29 +126,48 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
     return _on_grid(x, dtype, noise).to(dtype)
 
 
-def _fused_write(w: Tensor, m: Tensor, v: Tensor, counter: Tensor, hyper: Tensor, dtype: torch.dtype) -> Tensor:
-    """A chunk of parameters laid end to end in fp32: the weight update from this step's moments ``m``, ``v`` in any
-    supported optimizer's form (see ``Formula``), stochastically rounded onto ``dtype``'s grid (noise: the hash of
-    ``counter``).
+def _fused_write(w: Tensor, m: Tensor, v: Tensor, g: Tensor | None, counter: Tensor | None, hyper: Tensor,
+                 dtype: torch.dtype, round_weights: bool, round_moments: bool) -> tuple[Tensor, Tensor | None,
+                                                                                    Tensor | None]:
+    """A chunk of parameters laid end to end in fp32: with the gradient ``g`` (torch.optim Adam/AdamW), this step's
+    moments from the stored ``m``, ``v`` (else those are this step's already), the weight update from them in any
+    supported optimizer's form (see ``Formula``), and stochastic rounding onto ``dtype``'s grid where asked (noise:
+    the hash of ``counter``, the moments' a second hash of it).
 
     Separate products and sums, no fused ops, and a correctly rounded square root (Inductor's fp32 one; eagerly
     through fp64, as torch's eager fp32 CPU sqrt is off by an ulp for a fifth of inputs): eager and compiled results
-    are bit-identical. ``hyper``: fp32 (decay before the update, decay after it, divisor of sqrt(v), eps, step size,
-    bound of ``|m / denom|``). Returns w in fp32, on ``dtype``'s grid."""
-    decay, decay_after, bc2_sqrt, eps, step_size, bound = hyper.unbind()
+    are bit-identical. ``hyper``: fp32 (1 - beta1, beta2, 1 - beta2, gradient sign, coupled weight decay, decay before
+    the update, decay after it, divisor of sqrt(v), eps, step size, bound of ``|m / denom|``). Returns w and, with
+    ``g``, m and v, in fp32: on ``dtype``'s grid where rounded stochastically, else to be rounded to nearest by the
+    copy into ``dtype``."""
+    one_minus_beta1, beta2, one_minus_beta2, sign, l2, decay, decay_after, bc2_sqrt, eps, step_size, bound = \
+        hyper.unbind()
+    if g is not None:
+        g = g * sign + w * l2
+        m = m + (g - m) * one_minus_beta1
+        v = v * beta2 + (g * g) * one_minus_beta2
     root = v.sqrt() if torch.compiler.is_compiling() else v.double().sqrt().float()  # both correctly rounded
     ratio = (m / (root / bc2_sqrt + eps)).clamp(-bound, bound)
     w = (w * decay + step_size * ratio) * decay_after
-    return _on_grid(w, dtype, _hash(counter) & _NOISE_MASK)
+    bits = None if counter is None else _hash(counter)
+    if round_weights:
+        w = _on_grid(w, dtype, bits & _NOISE_MASK)
+    if g is None:
+        return w, None, None
+    if round_moments:
+        bits = _hash(bits ^ _MOMENT_STREAM)
+        m, v = _on_grid(m, dtype, bits & _NOISE_MASK), _on_grid(v, dtype, (bits >> 16) & _NOISE_MASK)
+    return w, m, v
 
 
 @cache
-def _compiled_fused_write() -> Callable[..., Tensor]:
-    """:func:`_fused_write` compiled with dynamic shapes: one fused loop per chunk (dynamo specializes it per dtype)."""
+def _compiled_fused_write() -> Callable[..., tuple[Tensor, Tensor | None, Tensor | None]]:
+    """:func:`_fused_write` compiled with dynamic shapes: one fused loop per chunk (dynamo specializes it per dtype,
+    gradient or not, and rounding)."""
     return torch.compile(_fused_write, dynamic=True)
 
 
-def _run_fused_write(*args: Any) -> Tensor:
+def _run_fused_write(*args: Any) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """:func:`_fused_write`, compiled for chunks of at least COMPILE_MIN_NUMEL elements where a compiler works (the
     same bits, faster), else eagerly."""
     global _compile_failed
@@ -154,7 +183,7 @@ def _run_fused_write(*args: Any) -> Tensor:
     return _fused_write(*args)
 
 
-# (start, stop) -> m and v of those flat elements: fp32, or views of torch's stored bf16/fp16 moments (read as fp32)
+# (start, stop) -> m and v of those flat elements: fp32, or views of torch's stored bf16/fp16 moments
 Moments = Callable[[int, int], tuple[Tensor, Tensor]]
 
 
@@ -163,24 +192,28 @@ class _Entry:
 
     ``moments(start, stop)`` reads the moments of a flat range only when that range is written, so no more than one
     chunk of them exists in fp32 at a time; ``split`` says whether the parameter may be written in ranges (its moments
-    can be read by range)."""
+    can be read by range). torch.optim parameters carry what computing their moments takes (``adam``: 1 - beta1,
+    beta2, 1 - beta2, the gradient's sign, coupled weight decay) and, where the write-back computes them, the gradient
+    hidden from torch's step (``grad``; ``moments`` then reads the stored moments from before the step)."""
 
     __slots__ = ("index", "param", "moments", "split", "formula", "decay", "step_size", "bc2_sqrt", "eps", "step",
-                 "bound", "start")
+                 "bound", "start", "adam", "grad")
 
     def __init__(self, index: int, param: Tensor, moments: Moments, split: bool, formula: Formula, decay: float,
                  step_size: float, bc2_sqrt: float, eps: float, step: int, bound: float | None = None,
-                 start: int = 0) -> None:
+                 start: int = 0, adam: tuple[float, ...] = (0.0, 1.0, 0.0, 1.0, 0.0),
+                 grad: Tensor | None = None) -> None:
         self.index, self.param, self.moments, self.split, self.formula = index, param, moments, split, formula
         self.decay, self.step_size, self.bc2_sqrt, self.eps, self.step = decay, step_size, bc2_sqrt, eps, step
         self.bound = bound  # |m / denom| limit for moments stored as codes (see _fp32_update), else None
         self.start = start  # flat position of ``param``'s first element in the whole parameter (a DTensor shard's)
+        self.adam, self.grad = adam, grad
 
     def hyper(self) -> tuple[float, ...]:
         """The scalars of :func:`_fused_write` for this parameter's formula."""
         after = self.formula == "bnb_cuda"
         scaled_eps = self.formula in ("bnb32", "bnb_cuda")  # sqrt(v) + eps * c2
-        return (1.0 if after else self.decay, self.decay if after else 1.0,
+        return (*self.adam, 1.0 if after else self.decay, self.decay if after else 1.0,
                 1.0 if scaled_eps else self.bc2_sqrt, self.eps * self.bc2_sqrt if scaled_eps else self.eps,
                 self.step_size, math.inf if self.bound is None else self.bound)
 
@@ -260,6 +293,9 @@ class WeightWriteBack:
             ``"nearest"`` (reproduces the optimizer's own write; the conformance mode).
         params: the parameters to take over (default: every bf16/fp16 parameter of the optimizer, at each step).
         seed: the stochastic-rounding key; noise depends on (seed, the optimizer's step, the parameter's index).
+        moments: ``"optimizer"`` (the optimizer writes its moments), or, for torch.optim Adam/AdamW only, the
+            rounding with which the write-back writes the bf16/fp16 moments of the parameters it takes over
+            (``"stochastic"``; ``"nearest"``: the conformance mode), computing them in fp32 itself.
     """
 
     def __init__(
@@ -268,12 +304,21 @@ class WeightWriteBack:
         rounding: Rounding = "stochastic",
         params: Iterable[Tensor] | None = None,
         seed: int = 0,
+        moments: MomentRounding = "optimizer",
     ) -> None:
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        if moments not in MOMENT_ROUNDINGS:
+            raise ValueError(f"moments must be one of {MOMENT_ROUNDINGS}, got {moments!r}")
+        if moments != "optimizer" and rounding == "compensated":
+            raise ValueError(f"moments={moments!r} goes with rounding 'stochastic' or 'nearest', not 'compensated'")
         self.optimizer = _unwrap(optimizer)
         self.family = _family(self.optimizer)
+        if moments != "optimizer" and self.family != "torch":
+            raise _refuse(self.optimizer, f"moments={moments!r} applies to torch.optim Adam/AdamW only (this optimizer "
+                                          "rounds its own state)")
         self.rounding: str = rounding
+        self.moments: str = moments
         self.seed = int(seed)
         self._chosen = None if params is None else {id(p) for p in params}
         if self._chosen is not None:
@@ -289,9 +334,11 @@ class WeightWriteBack:
         self.compensation: dict[int, Tensor] = {}  # parameter index -> Kahan buffer (parameter dtype)
         self._saved_lrs: list[Any] | None = None
         self._steps_before: dict[int, int] = {}
+        self._hidden: dict[int, tuple[Tensor, Tensor]] = {}  # parameter index -> (param, gradient hidden from torch)
+        # the post-step hook runs first: every other one sees the written weights and the given-back gradients
         self._handles = [
             self.optimizer.register_step_pre_hook(self._pre_hook),
-            self.optimizer.register_step_post_hook(self._post_hook),
+            _compat.register_first_step_post_hook(self.optimizer, self._post_hook),
         ]
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -319,8 +366,9 @@ class WeightWriteBack:
         return len(self._handled())
 
     def close(self) -> None:
-        """Remove the hooks (and restore the lr, should a failed step have left it at 0)."""
+        """Remove the hooks (and restore the lr and the gradients, should a failed step have left them hidden)."""
         self._restore_lr()
+        self._give_back_grads()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -338,9 +386,11 @@ class WeightWriteBack:
         return out
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Zero the lr of the groups holding taken-over parameters and remember each one's step counter. Gradients may
-        not exist yet (the closure runs inside the step), so nothing else happens here."""
+        """Zero the lr of the groups holding taken-over parameters and remember each one's step counter; hide the
+        gradients of the parameters whose moments the write-back computes once they exist (after the closure, which
+        runs inside the step)."""
         self._restore_lr()
+        self._give_back_grads()  # an earlier step raised between its closure and its end
         handled = self._handled()
         if not handled:
             return None
@@ -352,20 +402,25 @@ class WeightWriteBack:
             group["lr"] = torch.zeros_like(lr) if isinstance(lr, Tensor) else 0.0
         if self.family == "bnb":
             self._check_bnb_overrides()
+        owned = [(index, param) for index, _, _, param in handled if self._owns_moments(param)]
         # A closure that raises must not leave the lr at 0: wrap it so the lr is restored before the error propagates.
-        # torch passes the step's own args, the optimizer first: the closure is args[1] or kwargs["closure"].
+        # Gradients are hidden in the closure too (one is given where there is none): after every pre-step hook, right
+        # before torch's update. torch passes the step's own args, the optimizer first: the closure is args[1] or
+        # kwargs["closure"].
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
+        if closure is None and not owned:
             return None
 
         def guarded() -> Any:
             try:
-                return closure()
+                loss = None if closure is None else closure()
             except BaseException:
                 self._restore_lr()
                 raise
+            self._hide_grads(owned)
+            return loss
 
-        if "closure" in kwargs:
+        if "closure" in kwargs or len(args) < 2:
             return args, {**kwargs, "closure": guarded}
         return (args[0], guarded, *args[2:]), kwargs
 
@@ -375,6 +430,33 @@ class WeightWriteBack:
                 group["lr"] = lr
             self._saved_lrs = None
 
+    def _owns_moments(self, param: Tensor) -> bool:
+        """Whether the write-back computes ``param``'s moments at this step: asked for, the optimizer's moments are
+        initialized and stored in the parameter's dtype, and no GradScaler hands the step a scale (its grads are then
+        still scaled, and the fused kernel may skip the step)."""
+        if self.moments == "optimizer" or getattr(self.optimizer, "grad_scale", None) is not None \
+                or getattr(self.optimizer, "found_inf", None) is not None:
+            return False
+        state = self.optimizer.state.get(param)
+        return bool(state) and state["exp_avg"].dtype == state["exp_avg_sq"].dtype == param.dtype
+
+    def _hide_grads(self, owned: list[tuple[int, Tensor]]) -> None:
+        """Set aside the dense gradients of ``owned`` parameters (torch's step skips a parameter without one)."""
+        for index, param in owned:
+            grad = param.grad
+            if grad is not None and not grad.is_sparse:
+                self._hidden[index] = (param, grad)
+                param.grad = None
+
+    def _give_back_grads(self) -> dict[int, Tensor]:
+        """Restore the hidden gradients (where no newer one took their place) and return them by parameter index."""
+        hidden = {index: grad for index, (_, grad) in self._hidden.items()}
+        for param, grad in self._hidden.values():
+            if param.grad is None:
+                param.grad = grad
+        self._hidden = {}
+        return hidden
+
     @torch.no_grad()
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Restore the real lr, then write every parameter whose step counter advanced by one."""
@@ -382,19 +464,27 @@ class WeightWriteBack:
             return
         lrs = {id(group): lr for group, lr in self._saved_lrs}
         self._restore_lr()
+        hidden = self._give_back_grads()
         by_key: dict[tuple[Any, ...], list[_Entry]] = defaultdict(list)
+        counters: list[Tensor] = []  # step counters of the parameters whose whole step is the write-back's
         for index, position, group, param in self._handled():
             before = self._steps_before.get(index)
             if before is None or id(group) not in lrs:
                 continue
-            step = self._step_count(param)
+            grad = hidden.get(index)
+            step = before + 1 if grad is not None else self._step_count(param)
             if step != before + 1:  # skipped (no grad, GradScaler inf/nan): the weight stays as it is
                 continue
-            entry = self._entry(index, position, group, param, lrs[id(group)], step)
-            # stochastic rounding: _fused_write, a batch per set of its scalars; nearest and compensated rounding: the
-            # optimizer's own op sequence
-            fused = entry.hyper() if self.rounding == "stochastic" else None
-            by_key[(param.device, param.dtype, entry.formula, entry.bound is not None, fused)].append(entry)
+            entry = self._entry(index, position, group, param, lrs[id(group)], step, grad)
+            if grad is not None:
+                counters.append(self.optimizer.state[param]["step"])
+            # stochastic rounding and moments computed here: _fused_write, a batch per set of its scalars; nearest and
+            # compensated rounding: the optimizer's own op sequence
+            fused = self.rounding == "stochastic" or grad is not None
+            key = (entry.hyper(), grad is not None) if fused else None
+            by_key[(param.device, param.dtype, entry.formula, entry.bound is not None, key)].append(entry)
+        if counters:
+            torch._foreach_add_(counters, 1)  # torch's own counters, in place (a fused step keeps them on the device)
         for (device, _, formula, bounded, fused), entries in by_key.items():
             for batch in _chunks(entries, CPU_CHUNK_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS):
                 if fused:
@@ -415,21 +505,27 @@ class WeightWriteBack:
         return int(step) if isinstance(step, int) else int(step.item())
 
     def _entry(self, index: int, position: tuple[int, int], group: dict[str, Any], param: Tensor, lr: Any,
-               step: int) -> _Entry:
-        """The fp32 moments and the update scalars of ``param``, computed as its optimizer computes them."""
+               step: int, grad: Tensor | None = None) -> _Entry:
+        """The fp32 moments and the update scalars of ``param``, computed as its optimizer computes them; with the
+        ``grad`` hidden from torch's step, what computing its moments takes."""
         lr = float(lr)
         state = self.optimizer.state[param]
         if self.family == "torch":
             beta1, beta2 = group["betas"]
             wd = group["weight_decay"]
-            decay = 1 - lr * wd if group.get("decoupled_weight_decay", False) and wd != 0 else 1.0
+            decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+            decay = 1 - lr * wd if decoupled and wd != 0 else 1.0
             # FSDP2: the write works on this rank's shards (views of their storage); its noise follows each element's
             # position in the whole parameter, so no two shards draw alike and replicated ranks draw the same.
             m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
-            split = m.is_contiguous() and v.is_contiguous()
+            grad = None if grad is None else local_tensor(grad)
+            split = m.is_contiguous() and v.is_contiguous() and (grad is None or grad.is_contiguous())
+            step_size, bc2_sqrt = -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5
+            sign = -1.0 if group.get("maximize", False) else 1.0
+            adam = (1 - beta1, beta2, 1 - beta2, sign, 0.0 if decoupled else wd)
             return _Entry(index, local_tensor(param), lambda a, b: (_flat_range(m, a, b), _flat_range(v, a, b)),
-                          split, "addcdiv", decay, -(lr / (1 - beta1**step)), (1 - beta2**step) ** 0.5, group["eps"],
-                          step, start=shard_flat_start(param))
+                          split, "addcdiv", decay, step_size, bc2_sqrt, group["eps"], step,
+                          start=shard_flat_start(param), adam=adam, grad=grad)
         if self.family == "bnb":
             config = self.optimizer.get_config(*position, group)
             beta1, beta2 = config["betas"][0], config["betas"][1]
@@ -493,17 +589,25 @@ class WeightWriteBack:
             _scatter(buffers, weight, sizes)
 
     def _write_fused(self, batch: list[tuple[_Entry, int, int]]) -> None:
-        """Flat ranges of parameters sharing a device, dtype and scalars through :func:`_fused_write`: weights and
-        moments gathered into flat fp32, the rounded weights written back in place."""
+        """Flat ranges of parameters sharing a device, dtype and scalars through :func:`_fused_write`: weights, moments
+        (and the hidden gradients, where the write-back computes the moments) gathered into flat fp32, the results
+        written back in place."""
         sizes = [b - a for _, a, b in batch]
         params = [_flat_range(e.param, a, b) for e, a, b in batch]
         moments = [e.moments(a, b) for e, a, b in batch]
+        ms, vs = [m for m, _ in moments], [v for _, v in moments]
+        own = batch[0][0].grad is not None
+        grad = _gather([_flat_range(e.grad, a, b) for e, a, b in batch], sizes) if own else None
+        round_weights, round_moments = self.rounding == "stochastic", own and self.moments == "stochastic"
         device = params[0].device
+        counter = _counters(batch, self.seed, device) if round_weights or round_moments else None
         hyper = torch.tensor(batch[0][0].hyper(), dtype=torch.float32, device=device)
-        weight = _run_fused_write(_gather(params, sizes), _gather([m for m, _ in moments], sizes),
-                                  _gather([v for _, v in moments], sizes), _counters(batch, self.seed, device), hyper,
-                                  params[0].dtype)
+        weight, m, v = _run_fused_write(_gather(params, sizes), _gather(ms, sizes), _gather(vs, sizes), grad, counter,
+                                        hyper, params[0].dtype, round_weights, round_moments)
         _scatter(params, weight, sizes)
+        if own:
+            _scatter(ms, m, sizes)
+            _scatter(vs, v, sizes)
 
     def _buffer(self, entry: _Entry) -> Tensor:
         buffer = self.compensation.get(entry.index)
@@ -635,20 +739,25 @@ def _fp32_update(weights: list[Tensor], ms: list[Tensor], vs: list[Tensor], entr
 
 def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: bool) -> WeightWriteBack | None:
     """The write-back a monitor attaches for its ``weights`` option: that rounding on every parameter stored below
-    fp32; with the automatic remedy and no choice (``None``), stochastic rounding on no parameter yet (the remedy
-    chooses). None where no parameter is stored below fp32, where ``weights="off"``, and where the automatic remedy
-    meets an optimizer the write-back does not support (a ``weights`` choice there is a configuration error)."""
+    fp32 (``"stochastic+moments"``: stochastic, with torch.optim's moments rounded stochastically too); with the
+    automatic remedy and no choice (``None``), stochastic rounding, of torch.optim's moments too, on no parameter yet
+    (the remedy chooses). None where no parameter is stored below fp32, where ``weights="off"``, and where the
+    automatic remedy meets an optimizer the write-back does not support (a ``weights`` choice there is a configuration
+    error)."""
     params = [p for group in _unwrap(optimizer).param_groups for p in group["params"]]
     if weights == "off" or not any(p.dtype in LOW_PRECISION for p in params):
         return None
     if weights is not None:
+        rounding, _, moments = weights.partition("+")
         try:
-            return WeightWriteBack(optimizer, weights)  # type: ignore[arg-type]
+            return WeightWriteBack(optimizer, rounding,  # type: ignore[arg-type]
+                                   moments="stochastic" if moments else "optimizer")
         except ValueError as error:
             raise ValueError(f"`weights`={weights!r}: {error}") from error
     if auto:
         try:
-            return WeightWriteBack(optimizer, "stochastic", params=())
+            own = _family(_unwrap(optimizer)) == "torch"
+            return WeightWriteBack(optimizer, "stochastic", params=(), moments="stochastic" if own else "optimizer")
         except ValueError:
             return None
     return None

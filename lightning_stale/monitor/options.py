@@ -71,8 +71,11 @@ class MonitorOptions:
         weights: the weight write of parameters stored below fp32 (bf16, fp16) on Adam-family optimizers, taken over
             so that updates smaller than half the weight's grid gap are not rounded away (see
             :mod:`lightning_stale.act.weights`): ``"stochastic"`` (stochastic rounding, no memory), ``"compensated"``
-            (a compensation buffer in the parameter's dtype, saved with the monitor), ``"off"`` (never), or ``None``
-            (default: off, unless ``remedy="auto"`` turns stochastic rounding on where the weights stall).
+            (a compensation buffer in the parameter's dtype, saved with the monitor), ``"stochastic+moments"``
+            (torch.optim Adam/AdamW only: stochastic rounding, and the write-back also computes the step's moments,
+            which torch keeps in the parameter's dtype, in fp32 and stores them with stochastic rounding), ``"off"``
+            (never), or ``None`` (default: off, unless ``remedy="auto"`` turns stochastic rounding on where the weights
+            stall, of torch.optim's moments too).
         drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"`` (default
             1.5).
         policy_args: arguments of a shortcut registered outside the package (with
