@@ -8,7 +8,8 @@ AdamW, the reference), bf16 / fp8 / fp4 / int8 (``QuantizedAdamW``), bnb8bit (bi
 Rows are remedies, each a ``StaleStateCallback`` setting: nearest (none), stochastic (rounding, ``QuantizedAdamW``
 only), guard (``underflow_guard=True``), theory / vonly (theory periods, both moments / v only) / adaptive /
 periodic / drift (``reset=...``; fp32's periodic cell is the control, every 300 steps), wsr / wkahan (the weight
-write-back with stochastic rounding / compensated summation, ``weights=...``; bf16 weights only) and auto
+write-back with stochastic rounding / compensated summation, ``weights=...``; bf16 weights only), wsrm (the write-back
+rounding torch's bf16 moments stochastically too, ``weights="stochastic+moments"``; torchbf16 only) and auto
 (``remedy="auto"``).
 
 For every learning rate it prints the grid (mean ± std over seeds), then per column the gap of nearest rounding to
@@ -47,9 +48,11 @@ from lightning_stale.demo.stats import PairedDifference
 from lightning_stale.demo.training import prepare_corpus, train_config
 
 COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed")
-ROWS = ("nearest", "stochastic", "guard", "theory", "vonly", "adaptive", "periodic", "drift", "wsr", "wkahan", "auto")
+ROWS = ("nearest", "stochastic", "guard", "theory", "vonly", "adaptive", "periodic", "drift", "wsr", "wkahan", "wsrm",
+        "auto")
 SUFFIX = {"nearest": "", "guard": "+guard", "theory": "+reset", "vonly": "+vreset", "adaptive": "+adaptive",
-          "periodic": "+periodic", "drift": "+drift", "wsr": "+wsr", "wkahan": "+wkahan", "auto": "+auto"}
+          "periodic": "+periodic", "drift": "+drift", "wsr": "+wsr", "wkahan": "+wkahan", "wsrm": "+wsrm",
+          "auto": "+auto"}
 NO_STOCHASTIC = ("bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed")  # optimizers without stochastic rounding
 BF16_WEIGHTS = ("torchbf16", "bnb8bitbf16")  # the columns whose weights the write-back rows take over
 
@@ -60,7 +63,7 @@ def cell_config(row: str, column: str) -> str | None:
         return {"nearest": "fp32", "periodic": "fp32+reset"}.get(row)
     if row == "stochastic":
         return None if column in NO_STOCHASTIC else f"{column}-sr"
-    if row in ("wsr", "wkahan") and column not in BF16_WEIGHTS:
+    if (row in ("wsr", "wkahan") and column not in BF16_WEIGHTS) or (row == "wsrm" and column != "torchbf16"):
         return None
     return column + SUFFIX[row]
 TARGET_SHARE = 0.8

@@ -13,7 +13,8 @@ _REMEDY_SUFFIXES = ("", "+reset", "+vreset", "+adaptive", "+periodic", "+drift",
 _WEIGHT_SUFFIXES = ("+wsr", "+wkahan")
 AVAILABLE_CONFIGS = ", ".join(
     ["fp32", "fp32+reset", *(f"{s}{x}" for s in ("bnb8bit", "torchmixed") for x in _REMEDY_SUFFIXES),
-     *(f"{s}{x}" for s in ("torchbf16", "bnb8bitbf16") for x in _REMEDY_SUFFIXES + _WEIGHT_SUFFIXES)]
+     *(f"{s}{x}" for s in ("torchbf16", "bnb8bitbf16") for x in _REMEDY_SUFFIXES + _WEIGHT_SUFFIXES),
+     "torchbf16+wsrm"]
     + [f"{s}{r}{x}" for s in ("bf16", "fp8", "fp4", "int8") for r in ("", "-sr") for x in _REMEDY_SUFFIXES]
 )
 
@@ -29,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the others QuantizedAdamW with that state format; -sr: stochastic rounding; +reset: "
         "StaleStateCallback(reset='theory') (fp32+reset: periodic, every 300); +vreset: theory resets of v only; "
         "+adaptive/+drift: reset='adaptive'/'drift'; +periodic: every 300; +guard: underflow_guard=True; "
-        "+auto: remedy='auto'; +wsr/+wkahan: weights='stochastic'/'compensated' (bf16 parameters only)",
+        "+auto: remedy='auto'; +wsr/+wkahan: weights='stochastic'/'compensated' (bf16 parameters only); +wsrm: "
+        "weights='stochastic+moments' (torchbf16 only)",
     )
     parser.add_argument("--out", default="stale-demo",
                         help="output folder for logs, table and figure (default: ./stale-demo)")

@@ -80,6 +80,9 @@ WEIGHT_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words), for s
     "+wsr": ({"weights": "stochastic"}, ", weight write-back with stochastic rounding"),
     "+wkahan": ({"weights": "compensated"}, ", weight write-back with compensated summation"),
 }
+MOMENT_SUFFIXES = {  # likewise, where the moments are torch.optim's (bf16 with bf16 weights)
+    "+wsrm": ({"weights": "stochastic+moments"}, ", weight write-back with stochastic rounding of weights and moments"),
+}
 
 
 def _build_configs() -> dict[str, RunConfig]:
@@ -90,7 +93,9 @@ def _build_configs() -> dict[str, RunConfig]:
             configs[storage] = RunConfig(storage, kind, description=words)
             continue
         roundings = ["nearest"] if kind != "quantized" else ["nearest", "stochastic"]
-        suffixes = {**REMEDY_SUFFIXES, **(WEIGHT_SUFFIXES if precision in LOW_PRECISION_WEIGHTS else {})}
+        low = precision in LOW_PRECISION_WEIGHTS
+        suffixes = {**REMEDY_SUFFIXES, **(WEIGHT_SUFFIXES if low else {}),
+                    **(MOMENT_SUFFIXES if low and kind == "adamw" else {})}
         for rounding in roundings:
             for suffix, (arguments, remedy_words) in suffixes.items():
                 name = storage + ("-sr" if rounding == "stochastic" else "") + suffix
