@@ -505,3 +505,40 @@ def test_owned_moments_keep_the_update_near_lr_where_gradients_vanish():
 def test_moments_only_for_torch_optim(make):
     with pytest.raises(ValueError, match="torch.optim Adam/AdamW only"):
         WeightWriteBack(make(_model().parameters()), moments="stochastic")
+
+
+class _Mixed(torch.nn.Module):
+    """One group of three parameters: a bf16 matrix, a bf16 bias and an fp32 gain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(64, 96).mul(0.1).bfloat16())
+        self.bias = torch.nn.Parameter(torch.randn(96).mul(0.1).bfloat16())
+        self.gain = torch.nn.Parameter(torch.ones(96))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.bfloat16() @ self.weight + self.bias).float() * self.gain
+
+
+@pytest.mark.parametrize("name", ["torch_adamw_forloop", "torch_adamw_foreach", "bnb_adamw_32bit", "quantized_fp32"])
+def test_a_partial_take_over_writes_every_other_parameter_of_its_groups(name):
+    """The group's lr is 0 during the step for every parameter in it: a write-back that takes over only the matrix
+    (what the automatic remedy does) must still write the bias and the fp32 gain, as the optimizer would (they
+    were left where they were, frozen for the run)."""
+    make, (max_share, max_lr_units) = FAMILIES[name]
+    model = _Mixed()
+    opt = make(model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(32, 64, generator=gen)
+        twin, twin_opt = _twin(model, opt, make)
+        writeback = WeightWriteBack(twin_opt, "stochastic", params=[twin.weight])
+        before = [p.detach().clone() for p in twin.parameters()]
+        _step(model, opt, x)
+        _step(twin, twin_opt, x)
+        writeback.close()
+        assert all(not torch.equal(a, b) for a, b in zip(before, twin.parameters()))  # every parameter moved
+        assert torch.equal(model.gain, twin.gain)  # fp32: the optimizer's own computation
+        diff = (model.bias.float() - twin.bias.float()).abs()
+        assert (diff > 0).float().mean().item() <= max_share and diff.max().item() <= max_lr_units * LR

@@ -385,6 +385,20 @@ class WeightWriteBack:
                 index += 1
         return out
 
+    def _group_mates(self, handled: list[tuple[int, tuple[int, int], dict[str, Any], Tensor]]
+                     ) -> list[tuple[int, tuple[int, int], dict[str, Any], Tensor]]:
+        """The other parameters of the groups whose lr the step zeroes (fp32 ones, or those not taken over yet): the
+        write-back writes them too, with the optimizer's own nearest rounding, or they would not move at all."""
+        groups, taken = {id(group) for _, _, group, _ in handled}, {index for index, _, _, _ in handled}
+        out = []
+        index = 0
+        for gindex, group in enumerate(self.optimizer.param_groups):
+            for pindex, param in enumerate(group["params"]):
+                if id(group) in groups and index not in taken:
+                    out.append((index, (gindex, pindex), group, param))
+                index += 1
+        return out
+
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Zero the lr of the groups holding taken-over parameters and remember each one's step counter; hide the
         gradients of the parameters whose moments the write-back computes once they exist (after the closure, which
@@ -394,7 +408,8 @@ class WeightWriteBack:
         handled = self._handled()
         if not handled:
             return None
-        self._steps_before = {index: self._step_count(param) for index, _, _, param in handled}
+        self._steps_before = {index: self._step_count(param) for index, _, _, param in
+                              handled + self._group_mates(handled)}
         groups = {id(group): group for _, _, group, _ in handled}
         self._saved_lrs = [(group, group["lr"]) for group in groups.values()]
         for group in groups.values():
@@ -467,7 +482,9 @@ class WeightWriteBack:
         hidden = self._give_back_grads()
         by_key: dict[tuple[Any, ...], list[_Entry]] = defaultdict(list)
         counters: list[Tensor] = []  # step counters of the parameters whose whole step is the write-back's
-        for index, position, group, param in self._handled():
+        handled = self._handled()
+        mates = {index for index, _, _, _ in self._group_mates(handled)}
+        for index, position, group, param in handled + self._group_mates(handled):
             before = self._steps_before.get(index)
             if before is None or id(group) not in lrs:
                 continue
@@ -480,17 +497,18 @@ class WeightWriteBack:
                 counters.append(self.optimizer.state[param]["step"])
             # stochastic rounding and moments computed here: _fused_write, a batch per set of its scalars; nearest and
             # compensated rounding: the optimizer's own op sequence
-            fused = self.rounding == "stochastic" or grad is not None
-            key = (entry.hyper(), grad is not None) if fused else None
+            rounding = "nearest" if index in mates else self.rounding
+            fused = rounding == "stochastic" or grad is not None
+            key = (entry.hyper(), grad is not None) if fused else rounding
             by_key[(param.device, param.dtype, entry.formula, entry.bound is not None, key)].append(entry)
         if counters:
             torch._foreach_add_(counters, 1)  # torch's own counters, in place (a fused step keeps them on the device)
-        for (device, _, formula, bounded, fused), entries in by_key.items():
+        for (device, _, formula, bounded, key), entries in by_key.items():
             for batch in _chunks(entries, CPU_CHUNK_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS):
-                if fused:
-                    self._write_fused(batch)
+                if isinstance(key, str):
+                    self._write(batch, formula, bounded, key)
                 else:
-                    self._write(batch, formula, bounded)
+                    self._write_fused(batch)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Reading the optimizer's state
@@ -566,16 +584,16 @@ class WeightWriteBack:
     # ----------------------------------------------------------------------------------------------------------------
     # The write
 
-    def _write(self, batch: list[tuple[_Entry, int, int]], formula: Formula, bounded: bool) -> None:
+    def _write(self, batch: list[tuple[_Entry, int, int]], formula: Formula, bounded: bool, rounding: str) -> None:
         """One batched pass over flat ranges of parameters sharing a device, dtype and formula, in flat fp32 buffers
         (an op per step of the math, not per tensor): the fp32 target weight with the optimizer's own ops, then its
-        nearest or compensated rounding."""
+        nearest or compensated ``rounding``."""
         entries = [e for e, _, _ in batch]
         sizes = [b - a for _, a, b in batch]
         params = [_flat_range(e.param, a, b) for e, a, b in batch]
         weight = _gather(params, sizes)
         weights = list(weight.split(sizes))
-        if self.rounding == "compensated":  # the stored weight plus its residual is the weight being optimized
+        if rounding == "compensated":  # the stored weight plus its residual is the weight being optimized
             buffers = [_flat_range(self._buffer(e), a, b) for e, a, b in batch]
             weight.add_(_gather(buffers, sizes))
         moments = [e.moments(a, b) for e, a, b in batch]
@@ -584,7 +602,7 @@ class WeightWriteBack:
         _fp32_update(weights, ms, vs, entries, formula, bounded)
         del ms, vs
         _scatter(params, weight, sizes)
-        if self.rounding == "compensated":
+        if rounding == "compensated":
             weight.sub_(_gather(params, sizes))  # exact: |target - nearest| <= ulp / 2
             _scatter(buffers, weight, sizes)
 
