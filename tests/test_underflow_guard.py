@@ -241,6 +241,19 @@ def test_the_guard_falls_back_to_eager_ops_when_compiling_fails(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(_twin_guarded("bnb", count=True), fast))
 
 
+@pytest.mark.parametrize("words", [37, 200], ids=["slices-of-a-row", "rows"])
+@pytest.mark.parametrize("kind", ["bnb", "torch_bf16", "qadamw:fp8_e4m3"])
+def test_the_eager_guard_in_slices_writes_what_the_counting_guard_writes(kind, words, monkeypatch):
+    """Without a compiler the pass runs ``EAGER_WORDS`` words at a time (so its temporaries do not grow with the
+    tensor): slices of one row, or several whole rows with their scales, write the same bits as the masks."""
+    import lightning_stale.act.guard as guard
+
+    monkeypatch.setattr(guard, "_fused_failed", True)
+    monkeypatch.setattr(guard, "EAGER_WORDS", words)
+    fast = _twin_guarded(kind, count=False)
+    assert all(torch.equal(a, b) for a, b in zip(_twin_guarded(kind, count=True), fast))
+
+
 def test_guard_does_no_work_where_v_is_fp32():
     """fp32 v cannot underflow in practice: the guard plans nothing for it (issue 29: its cost on fp32 states)."""
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))

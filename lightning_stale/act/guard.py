@@ -19,9 +19,10 @@ Cost: one pass that reads v's stored bits and rewrites m's. Where both slots des
 slot through :meth:`Slot.zero_view`), the pass works on 32-bit words, several lanes at a time, with shifts and masks
 only (a lane reads as zero where ``(lane ^ zero) & care`` is 0, or where its block's scale is 0). :class:`GuardPlan`
 guards large pairs in place, ``PAIRS_PER_CALL`` per call of one ``torch.compile`` kernel, and copies small pairs (and
-the partial last block of large ones) of one layout into buffers it keeps, so they take one pass together. Other slots
-take a few eager mask operations each (``zero_mask``/``zero_elements``), as does ``count=True``; both paths write the
-same bits.
+the partial last block of large ones) of one layout into buffers it keeps, so they take one pass together. Without a
+working compiler the same pass runs in eager ops on slices of ``EAGER_WORDS`` words, so its temporaries do not grow
+with the tensor. Other slots take a few eager mask operations each (``zero_mask``/``zero_elements``, full-size masks),
+as does ``count=True``; both paths write the same bits.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ FUSED_MIN_NUMEL = 1 << 16  # larger pairs are guarded in place; a smaller group 
 # compiled for large pairs anyway (a compile costs seconds)
 PAIRS_PER_CALL = 4  # large pairs per compiled call: fewer calls dispatch less; eight made gcc's kernel slower here
 SCALED_CHUNK = 256  # elements per buffer row of small states with one scale per tensor (one scale read per row)
+EAGER_WORDS = 1 << 18  # 32-bit words per eager slice: its int32 temporaries stay a few MiB whatever the tensor size
 _fused_failed = False  # set when torch.compile failed here once; the eager ops are used from then on
 
 
@@ -153,7 +155,31 @@ def _guard_pass(kernel: _Kernel, args: tuple[Tensor | None, ...], fuse: bool) ->
         except Exception as error:  # no working compiler here: the eager ops do the same, slower
             _fused_failed = True
             _compat.log.info("[lightning_stale] the fused underflow guard is unavailable (%s); using eager ops", error)
-    _pass(kernel)(*args)
+    for i in range(0, len(args), 4):
+        _eager_pair(kernel, *args[i:i + 4])
+
+
+def _eager_pair(kernel: _Kernel, v: Tensor, m: Tensor, v_scale: Tensor | None, m_scale: Tensor | None) -> None:
+    """:func:`_guard_pair` in eager ops, ``EAGER_WORDS`` words at a time (whole rows, or slices of one long row): each
+    eager op makes a temporary as large as its input, so slicing keeps the transient memory from growing with the
+    tensor."""
+    rows, words = m.shape
+    if words > EAGER_WORDS:
+        for row in range(rows):
+            for start in range(0, words, EAGER_WORDS):
+                columns = slice(start, start + EAGER_WORDS)
+                _guard_pair(kernel, v[row:row + 1, columns], m[row:row + 1, columns],
+                            _scale_rows(v_scale, row, 1), _scale_rows(m_scale, row, 1))
+        return
+    per_slice = EAGER_WORDS // words
+    for row in range(0, rows, per_slice):
+        _guard_pair(kernel, v[row:row + per_slice], m[row:row + per_slice],
+                    _scale_rows(v_scale, row, per_slice), _scale_rows(m_scale, row, per_slice))
+
+
+def _scale_rows(scale: Tensor | None, first: int, count: int) -> Tensor | None:
+    """The ``(rows, 1)`` scales of ``count`` rows from ``first`` (one scale ``(1, 1)`` serves every row)."""
+    return scale if scale is None or scale.shape[0] == 1 else scale[first:first + count]
 
 
 def _distinct_sizes() -> contextlib.AbstractContextManager:
