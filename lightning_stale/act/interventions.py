@@ -73,7 +73,8 @@ class Interventions:
         self.listeners, self._name = listeners, name
         self.resets = 0  # reset events
         self.remedy_resets = 0  # parameter resets the remedy made
-        self._guard_plan: tuple[tuple, guard.GuardPlan] | None = None  # (engine version and guarded positions, plan)
+        # (engine version and guarded positions, the plan or None where no v can underflow)
+        self._guard_plan: tuple[tuple, guard.GuardPlan | None] | None = None
         self._warming: dict[int, Tensor] = {}  # parameters before a warm-up step
 
     # -- every step --------------------------------------------------------------------------------------------------
@@ -94,19 +95,18 @@ class Interventions:
         """Run the underflow guard on every parameter, or on those inside a guard window, through a plan kept while
         the guarded set and the slots stay. Parameters whose v is stored in fp32 (or fp64) are left out: there v
         reads zero only where ``(1 - b2) * g**2`` is below 1e-45, so the guard would only cost time."""
-        if self.underflow_guard:
-            units = self.schedule.units
+        if self.underflow_guard:  # every parameter: the plan holds while the slots stay
+            units, key = self.schedule.units, (self.engine.version, None)
         elif self.schedule.guarding:
             units = self.schedule.use_guard_step()
+            key = (self.engine.version, tuple(u.position for u in units))
         else:
             return
-        units = [u for u in units if any(s.moment == "v" and s.format not in UNDERFLOW_FREE for s in u.slots)]
-        if not units:
-            return
-        key = (self.engine.version, tuple(u.position for u in units))
         if self._guard_plan is None or self._guard_plan[0] != key:
-            self._guard_plan = (key, guard.GuardPlan(s for unit in units for s in unit.slots))
-        self._guard_plan[1].run()
+            units = [u for u in units if any(s.moment == "v" and s.format not in UNDERFLOW_FREE for s in u.slots)]
+            self._guard_plan = (key, guard.GuardPlan(s for unit in units for s in unit.slots) if units else None)
+        if self._guard_plan[1] is not None:
+            self._guard_plan[1].run()
 
     # -- decisions ---------------------------------------------------------------------------------------------------
     def reset(self, units: list[LedgerRow], moments: Sequence[str], step: int) -> None:
