@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -31,14 +32,26 @@ def global_rank() -> int:
 
 
 def rank_zero_info(message: str) -> None:
-    """Lightning's rank-zero info log when Lightning is importable (its handlers and format), else ``logging``."""
-    try:
+    """Lightning's rank-zero info log where Lightning is loaded (its handlers and format), else the same line through
+    ``logging``: importing Lightning for a plain loop's first message would add some 40 MiB to the process."""
+    if "lightning.fabric" in sys.modules:
         from lightning.fabric.utilities.rank_zero import rank_zero_info as lightning_info
-    except ImportError:  # pragma: no cover - Lightning is a dependency; the fallback serves stripped installs
-        if global_rank() == 0:
-            log.info(message)
-        return
-    lightning_info(message)
+
+        lightning_info(message)
+    elif global_rank() == 0:
+        _info_log().info(message)
+
+
+@lru_cache(maxsize=None)
+def _info_log() -> logging.Logger:
+    """The logger of the lines :func:`rank_zero_info` writes without Lightning, set up as Lightning sets up its own:
+    INFO and up, to stderr unless the application configured logging."""
+    info = logging.getLogger("lightning_stale.info")
+    info.setLevel(logging.INFO)
+    if not logging.getLogger().hasHandlers():
+        info.addHandler(logging.StreamHandler())
+        info.propagate = False
+    return info
 
 
 def lightning_should_log(trainer: object) -> bool:
