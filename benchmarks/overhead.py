@@ -33,6 +33,13 @@ state bytes, for the timed models and for ~12M-parameter models (memory only; re
     .venv/bin/python benchmarks/overhead.py --precision bf16-true --optimizers "torch AdamW" --modes default weights
     .venv/bin/python benchmarks/overhead.py --precision bf16-true --optimizers "torch AdamW" "bnb AdamW8bit" \
         --model demo --modes default weights weights-moments
+    .venv/bin/python benchmarks/overhead.py --paired --rounds 7 --steps 50 --threads 1
+
+``--paired`` (issue 29): monitor + guard on a 4 x 1024x1024 MLP with bitsandbytes AdamW8bit and torch AdamW (fp32
+states), each against the same model unmonitored, trained side by side in one process with their steps interleaved,
+so that load from other processes falls on both; a run's ratio is total step time monitored / unmonitored (the
+logging steps included), the table gives the median over runs and the time inside the monitor (``--cpu-time``: the
+thread's CPU time).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_stale import StaleStateCallback
+from lightning_stale import StaleStateCallback, StaleStateMonitor
 from lightning_stale.act.guard import GuardPlan
 from lightning_stale.act.weights import WeightWriteBack
 from lightning_stale.demo.model import Decoder, DecoderConfig
@@ -74,6 +81,7 @@ BATCH = 32
 clock = time.perf_counter  # --cpu-time: time.thread_time
 DEMO = DecoderConfig(dim=64, hidden=176)  # the long plan's decoder
 DEMO_BATCH = 16
+MLP_LOG_EVERY = 50  # --paired: compute() every this many steps (Lightning's default log_every_n_steps)
 
 
 def optimizers(device: str) -> dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]]:
@@ -273,6 +281,99 @@ def run(tensors: int, make: Callable, config: dict | None, steps: int, warmup: i
             "params": sum(p.numel() for p in model.parameters()), "tensors": len(list(model.parameters()))}
 
 
+class HookClock:
+    """Seconds (``clock``) inside the monitor (its pipelines' step hooks, ``compute()`` and ``reset_window()``) and,
+    of those, inside the guard's passes, while the context is open."""
+
+    PATCHED = ((OptimizerPipeline, "before_step", "monitor"), (OptimizerPipeline, "after_step", "monitor"),
+               (StaleStateMonitor, "compute", "monitor"), (StaleStateMonitor, "reset_window", "monitor"),
+               (GuardPlan, "run", "guard"))
+
+    def __init__(self) -> None:
+        self.monitor = 0.0
+        self.guard = 0.0
+
+    def _clocked(self, function: Callable, field: str) -> Callable:
+        def clocked(*args, **kwargs):
+            start = clock()
+            out = function(*args, **kwargs)
+            setattr(self, field, getattr(self, field) + clock() - start)
+            return out
+
+        return clocked
+
+    def __enter__(self) -> HookClock:
+        self._saved = [getattr(owner, name) for owner, name, _ in self.PATCHED]
+        for (owner, name, field), function in zip(self.PATCHED, self._saved):
+            setattr(owner, name, self._clocked(function, field))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for (owner, name, _), function in zip(self.PATCHED, self._saved):
+            setattr(owner, name, function)
+
+
+class MlpCopy:
+    """One copy of issue 29's MLP (4 x ``Linear(1024, 1024)`` with ReLU, batch 32) with its optimizer, monitored
+    with the underflow guard on (``compute()`` and ``reset_window()`` every ``MLP_LOG_EVERY`` steps, as the callback
+    logs) or not; each call is one training step."""
+
+    def __init__(self, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], monitored: bool) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(BATCH, 1024, generator=g), torch.randn(BATCH, 1024, generator=g)
+        torch.manual_seed(0)
+        self.model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(1024, 1024), nn.ReLU())])
+        self.optimizer = make(list(self.model.parameters()))
+        self.monitor = StaleStateMonitor(self.optimizer, underflow_guard=True, coverage_steps=MLP_LOG_EVERY) \
+            if monitored else None
+        self.steps = 0
+
+    def __call__(self) -> None:
+        self.optimizer.zero_grad()
+        nn.functional.mse_loss(self.model(self.x), self.y).backward()
+        self.optimizer.step()
+        self.steps += 1
+        if self.monitor is not None and self.steps % MLP_LOG_EVERY == 0:
+            self.monitor.compute()
+            self.monitor.reset_window()
+
+
+def paired(args: argparse.Namespace) -> None:
+    """``--paired``: monitor + guard against no monitor on issue 29's MLP, each optimizer's two copies trained side by
+    side in one process with their steps interleaved (the order alternates every step), so that both see the same
+    load; a run's ratio is the monitored copy's total step time over the unmonitored copy's (logging steps
+    included), and the table gives the median over runs."""
+    makers = optimizers(args.device)
+    print(f"torch {torch.__version__}, {args.threads} thread(s); issue 29's MLP (4 x Linear(1024, 1024), batch "
+          f"{BATCH}), plain loop; StaleStateMonitor(underflow_guard=True) with compute() every {MLP_LOG_EVERY} "
+          f"steps against no monitor, steps interleaved; {args.rounds} runs of {args.steps} steps after "
+          f"{args.warmup} warm-up steps; {'thread CPU' if clock is time.thread_time else 'wall'} time")
+    print("\n| optimizer | unmonitored step (ms) | monitor + guard / unmonitored (median) | runs, min-max | inside the "
+          "monitor (hooks, compute, reset_window), % of the unmonitored step | of which the guard |")
+    print("|---|---|---|---|---|---|")
+    for name in args.optimizers or ["bnb AdamW8bit", "torch AdamW"]:
+        plain, monitored = MlpCopy(makers[name], False), MlpCopy(makers[name], True)
+        for _ in range(args.warmup):
+            plain()
+            monitored()
+        ratios, base, inside, guard = [], [], [], []
+        for _ in range(args.rounds):
+            seconds = [0.0, 0.0]
+            with HookClock() as spent:
+                for i in range(args.steps):
+                    for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                        start = clock()
+                        (plain, monitored)[which]()
+                        seconds[which] += clock() - start
+            ratios.append(seconds[1] / seconds[0])
+            base.append(seconds[0] / args.steps)
+            inside.append(spent.monitor / seconds[0])
+            guard.append(spent.guard / seconds[0])
+        print(f"| {name} | {1e3 * statistics.median(base):.1f} | {statistics.median(ratios):.3f}x | "
+              f"{min(ratios):.3f}-{max(ratios):.3f} | {100 * statistics.median(inside):.1f}% | "
+              f"{100 * statistics.median(guard):.1f}% |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -294,11 +395,16 @@ def main() -> None:
                         help="residual stacks of --tensors tensors, or the long plan's demo decoder (--tensors unused)")
     parser.add_argument("--memory-params", type=int, default=12_000_000,
                         help="total parameters of the memory-only models")
+    parser.add_argument("--paired", action="store_true",
+                        help="monitor + guard on issue 29's MLP, interleaved in one process (--rounds runs of --steps)")
     args = parser.parse_args()
     if args.cpu_time:
         global clock
         clock = time.thread_time
     torch.set_num_threads(args.threads)
+    if args.paired:
+        paired(args)
+        return
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     all_optimizers = optimizers(args.device)
     standard = [k for k in all_optimizers if k not in GUARD_ONLY or "guard" in args.modes]
