@@ -147,3 +147,28 @@ def test_sampled_factor_codes_are_those_of_the_sampled_elements(device: torch.de
         codes = slot.sampled_codes(sample)
         assert codes.shape == sample.view(torch.empty(slot.param.shape)).shape
         assert torch.equal(codes.reshape(-1), slot.codes().reshape(-1)[sample.positions(device)]), slot.key
+
+
+def test_inspect_reads_the_factors_of_a_saved_state_as_the_live_monitor_does(tmp_path) -> None:
+    """``lightning-stale inspect`` on a saved Adafactor state: every state tensor the live monitor measures, the
+    factors included (as matrix-shaped v slots), with the parameter's shape and the zero shares of the saved tensors."""
+    from lightning_stale.commands.inspect import build_report
+
+    model = _mlp(torch.device("cpu"))
+    opt = torch.optim.Adafactor(model.parameters(), lr=LR)
+    with StaleStateMonitor(opt, names=model) as monitor:
+        _train(model, opt, range(3))
+        next(iter(opt.state.values()))["row_var"][0] = 0.0  # one stored zero: a row whose 12 elements read it
+        live = {(e.unit.key, e.slot.key): e.slot for e in monitor.engines()[0].entries.values()}
+    path = tmp_path / "adafactor.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    report = build_report(str(path))
+    params = report.optimizers[0].params
+    rows = {(p.unit, m.key): (p, m) for p in params for m in p.moments}
+    assert set(rows) == set(live)
+    assert [p.shape for p in params] == [list(p.shape) for p in model.parameters()]
+    for (unit, key), (param, row) in rows.items():
+        assert row.moment == "v" and row.format == live[unit, key].format == "fp32"
+        assert row.elements == live[unit, key].numel == param.shape[0] * (param.shape[1] if len(param.shape) > 1 else 1)
+    assert rows["opt0.0", "row_var"][1].zero == pytest.approx(1 / 24)  # one of 24 rows: 12 of the 288 elements
+    assert rows["opt0.0", "col_var"][1].zero == 0.0

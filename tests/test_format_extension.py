@@ -163,3 +163,24 @@ def test_registration_checks_the_class_and_unknown_names_list_the_registered_one
         register_format(type("Nameless", (Uniform6Format,), {"name": ""}))
     with pytest.raises(ValueError, match=r"'int8_dynamic', 'uniform6'\)"):
         QuantizedAdamW([nn.Parameter(torch.zeros(3))], state_format="uniform7")
+
+
+def test_a_registered_format_that_names_a_theory_format_gets_its_closed_form_rho(uniform6: None) -> None:
+    from types import SimpleNamespace
+
+    from lightning_stale import theory
+    from lightning_stale.decide.slot_theory import closed_form_rho
+
+    slot = SimpleNamespace(beta=0.999, format="uniform6", moment="v")
+    assert closed_form_rho(slot) == (None, "grid estimate (uniform6)", True)  # a grid: estimated from stored values
+
+    class Bf16Like(Uniform6Format):
+        name = "uniform6-as-bf16"
+        theory_name = "bf16"
+
+    register_format(Bf16Like)
+    try:
+        slot = SimpleNamespace(beta=0.999, format="uniform6-as-bf16", moment="v")
+        assert closed_form_rho(slot) == (theory.format_rho_hat("bf16", 0.999), "bf16 format", False)
+    finally:
+        del FORMATS["uniform6-as-bf16"]

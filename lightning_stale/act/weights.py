@@ -32,7 +32,7 @@ from torch import Tensor
 from lightning_stale import _compat
 from lightning_stale._compat import local_tensor, shard_flat_start
 from lightning_stale.formats.base import NOISE_BITS
-from lightning_stale.formats.floats import stochastic_round_float
+from lightning_stale.formats.floats import FloatFormat, stochastic_round_float
 
 Rounding = Literal["stochastic", "compensated", "nearest"]
 ROUNDINGS: tuple[str, ...] = ("stochastic", "compensated", "nearest")
@@ -568,7 +568,7 @@ class WeightWriteBack:
         step_v = int(state["step_v"])
         bc2_sqrt = math.sqrt(1 - beta2**step_v)
         bound = None
-        if step_v == step and not all(fmt.name in ("fp32", "bf16", "fp16") for fmt in formats):
+        if step_v == step and not all(isinstance(fmt, FloatFormat) for fmt in formats):
             bound = adam_ratio_bound(beta1, beta2, step) * bc2_sqrt
         return _Entry(index, param, moments, False, "quantized", 1 - lr * group["weight_decay"],
                       -lr / (1 - beta1**step), bc2_sqrt, group["eps"], step, bound)

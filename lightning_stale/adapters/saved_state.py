@@ -42,7 +42,7 @@ TORCH_MOMENTS: dict[str, tuple[Moment, str | None, int | None]] = {
     "square_avg": ("v", "alpha", None),  # RMSprop
     "sum": ("v", None, None),  # Adagrad
 }
-TORCH_UNREAD = ("row_var", "col_var")  # Adafactor's factors: not read from a saved state (the live adapter reads them)
+TORCH_FACTORS = ("row_var", "col_var")  # Adafactor's factored v of a matrix: (..., rows, 1) and (..., 1, cols)
 MODEL_BUFFERS = ("running_mean", "running_var")  # floating tensors of a model state_dict that no optimizer holds
 HF_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
 MONITOR_CALLBACK = "StaleStateCallback"  # the Lightning callback's state keys start with its class name
@@ -178,10 +178,14 @@ def _step(value: Any) -> int | None:
 
 def _torch_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any],
                  shape: tuple[int, ...] | None) -> SavedParam:
-    from lightning_stale.adapters.torch_optim import float_slot
+    from lightning_stale.adapters.torch_optim import FactorSlot, float_slot
 
     present = [key for key in TORCH_MOMENTS if isinstance(entry.get(key), Tensor)]
-    shape = tuple(entry[present[0]].shape) if present else shape
+    factors = [key for key in TORCH_FACTORS if isinstance(entry.get(key), Tensor)]
+    if present:
+        shape = tuple(entry[present[0]].shape)
+    elif len(factors) == 2:  # the matrix both factors spread over
+        shape = (*entry["row_var"].shape[:-1], entry["col_var"].shape[-1])
     placeholder = stand_in(shape or (0,))
     slots: list[Slot] = []
     for key in present:
@@ -189,6 +193,8 @@ def _torch_param(index: int, entry: Mapping[str, Any], group: Mapping[str, Any],
         beta = group.get(beta_key) if beta_key is not None else None
         beta = beta[beta_index] if beta is not None and beta_index is not None else beta
         slots.append(float_slot(placeholder, entry, key, moment, None if beta is None else float(beta)))
+    if len(factors) == 2:  # as the live adapter reads them: each element reads its row's and its column's factor
+        slots.extend(float_slot(placeholder, entry, key, "v", None, FactorSlot) for key in factors)
     return SavedParam(index, slots, _step(entry.get("step")), shape)
 
 
@@ -257,7 +263,7 @@ def _describe_torchao(slot: Slot) -> str:
     return {"int8_dynamic": "torchao 8-bit", "fp8_e4m3": "torchao fp8"}.get(slot.format, "torchao 4-bit")
 
 
-register_saved_reader("torch.optim", lambda entries, groups: bool(_keys(entries) & {*TORCH_MOMENTS, *TORCH_UNREAD}),
+register_saved_reader("torch.optim", lambda entries, groups: bool(_keys(entries) & {*TORCH_MOMENTS, *TORCH_FACTORS}),
                       _torch_param, _describe_torch)
 register_saved_reader("torchao", lambda entries, groups: any(_is_torchao(value) for entry in entries.values()
                                                              for value in entry.values()),

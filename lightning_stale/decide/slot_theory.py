@@ -20,7 +20,7 @@ from torch import Tensor
 from lightning_stale import theory
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.formats import FORMAT_NAMES, get_format
+from lightning_stale.formats import FORMATS, get_format
 from lightning_stale.measure.sampling import choose_sample
 
 ESTIMATE_SAMPLE_SIZE = 4096  # stored values a grid estimate looks at
@@ -35,7 +35,7 @@ def closed_form_rho(slot: Slot) -> tuple[float | None, str, bool]:
         return None, "not an EMA", False
     if slot.format == "fp32":
         return None, "fp32 (no staleness)", False
-    theory_name = get_format(slot.format, signed=slot.moment == "m").theory_name if slot.format in FORMAT_NAMES else None
+    theory_name = get_format(slot.format, signed=slot.moment == "m").theory_name if slot.format in FORMATS else None
     if theory_name is not None:
         return theory.format_rho_hat(theory_name, slot.beta), f"{theory_name} format", False
     return None, f"grid estimate ({slot.format})", True
