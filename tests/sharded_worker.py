@@ -64,6 +64,9 @@ def main(kind: str) -> None:
     except MisconfigurationException as error:
         print(f"REFUSED {error}", flush=True)
         return
+    finally:  # a refused fit leaves its gloo group up; torn down at interpreter exit it can abort the process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     print("TRAINED", flush=True)
 
 
