@@ -3,8 +3,10 @@
 A step's update ``lr * m_hat / (sqrt(v_hat) + eps)`` smaller than half a bf16 weight's grid gap (about |w| / 256)
 rounds away. :class:`WeightWriteBack` suppresses the optimizer's own parameter write (its group lr is 0 for the step,
 so it still updates its moments and step counter), then recomputes the update in fp32 from the optimizer's own
-updated state (dequantized where 8-bit), exactly as that optimizer computes it, and writes the weight with nearest,
-stochastic or compensated (Kahan) rounding. fp32 parameters are left to the optimizer untouched. Parameters are
+updated state, exactly as that optimizer computes it, and writes the weight with nearest, stochastic or compensated
+(Kahan) rounding. bitsandbytes' 8-bit optimizers update the weight from this step's fp32 moments before requantizing
+them, so for those the write-back computes the same fp32 moments from the stored codes and the gradient and writes the
+weight before their step (right after the closure), which then updates the moments with the lr at 0. fp32 parameters are left to the optimizer untouched. Parameters are
 written in chunks laid end to end in flat buffers; stochastic rounding runs as one fused pass per chunk
 (``torch.compile`` where a compiler works, the same ops eagerly otherwise).
 
@@ -335,6 +337,7 @@ class WeightWriteBack:
         self._saved_lrs: list[Any] | None = None
         self._steps_before: dict[int, int] = {}
         self._hidden: dict[int, tuple[Tensor, Tensor]] = {}  # parameter index -> (param, gradient hidden from torch)
+        self._ahead: set[int] = set()  # indices of the parameters written before this step's update (bitsandbytes)
         # the post-step hook runs first: every other one sees the written weights and the given-back gradients
         self._handles = [
             self.optimizer.register_step_pre_hook(self._pre_hook),
@@ -400,11 +403,12 @@ class WeightWriteBack:
         return out
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Zero the lr of the groups holding taken-over parameters and remember each one's step counter; hide the
-        gradients of the parameters whose moments the write-back computes once they exist (after the closure, which
-        runs inside the step)."""
+        """Zero the lr of the groups holding taken-over parameters and remember each one's step counter; once the
+        gradients exist (after the closure, which runs inside the step), hide those of the parameters whose moments
+        the write-back computes, and write bitsandbytes' 8-bit parameters ahead of its update."""
         self._restore_lr()
         self._give_back_grads()  # an earlier step raised between its closure and its end
+        self._ahead = set()
         handled = self._handled()
         if not handled:
             return None
@@ -418,12 +422,13 @@ class WeightWriteBack:
         if self.family == "bnb":
             self._check_bnb_overrides()
         owned = [(index, param) for index, _, _, param in handled if self._owns_moments(param)]
+        ahead = self.family == "bnb"
         # A closure that raises must not leave the lr at 0: wrap it so the lr is restored before the error propagates.
-        # Gradients are hidden in the closure too (one is given where there is none): after every pre-step hook, right
-        # before torch's update. torch passes the step's own args, the optimizer first: the closure is args[1] or
-        # kwargs["closure"].
+        # Gradients are hidden and bitsandbytes' weights written in the closure too (one is given where there is
+        # none): after every pre-step hook, right before the optimizer's update. torch passes the step's own args, the
+        # optimizer first: the closure is args[1] or kwargs["closure"].
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None and not owned:
+        if closure is None and not owned and not ahead:
             return None
 
         def guarded() -> Any:
@@ -433,6 +438,8 @@ class WeightWriteBack:
                 self._restore_lr()
                 raise
             self._hide_grads(owned)
+            if ahead:
+                self._write_ahead()
             return loss
 
         if "closure" in kwargs or len(args) < 2:
@@ -480,13 +487,13 @@ class WeightWriteBack:
         lrs = {id(group): lr for group, lr in self._saved_lrs}
         self._restore_lr()
         hidden = self._give_back_grads()
-        by_key: dict[tuple[Any, ...], list[_Entry]] = defaultdict(list)
+        entries: list[tuple[_Entry, str]] = []
         counters: list[Tensor] = []  # step counters of the parameters whose whole step is the write-back's
         handled = self._handled()
         mates = {index for index, _, _, _ in self._group_mates(handled)}
         for index, position, group, param in handled + self._group_mates(handled):
             before = self._steps_before.get(index)
-            if before is None or id(group) not in lrs:
+            if before is None or id(group) not in lrs or index in self._ahead:
                 continue
             grad = hidden.get(index)
             step = before + 1 if grad is not None else self._step_count(param)
@@ -495,16 +502,43 @@ class WeightWriteBack:
             entry = self._entry(index, position, group, param, lrs[id(group)], step, grad)
             if grad is not None:
                 counters.append(self.optimizer.state[param]["step"])
-            # stochastic rounding and moments computed here: _fused_write, a batch per set of its scalars; nearest and
-            # compensated rounding: the optimizer's own op sequence
-            rounding = "nearest" if index in mates else self.rounding
-            fused = rounding == "stochastic" or grad is not None
-            key = (entry.hyper(), grad is not None) if fused else rounding
-            by_key[(param.device, param.dtype, entry.formula, entry.bound is not None, key)].append(entry)
+            entries.append((entry, "nearest" if index in mates else self.rounding))
         if counters:
             torch._foreach_add_(counters, 1)  # torch's own counters, in place (a fused step keeps them on the device)
-        for (device, _, formula, bounded, key), entries in by_key.items():
-            for batch in _chunks(entries, CPU_CHUNK_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS):
+        self._write_entries(entries)
+        self._ahead = set()
+
+    @torch.no_grad()
+    def _write_ahead(self) -> None:
+        """bitsandbytes' 8-bit parameters with a gradient, written now (right after the closure, before its update):
+        from this step's fp32 moments, computed from the stored codes and the gradient as its kernel computes them
+        before requantizing. Its update then runs with the lr at 0: it moves the moments and leaves these weights.
+        Should that update raise, the weights stay written."""
+        lrs = {id(group): lr for group, lr in self._saved_lrs or ()}
+        handled = self._handled()
+        mates = {index for index, _, _, _ in self._group_mates(handled)}
+        entries: list[tuple[_Entry, str]] = []
+        for index, position, group, param in handled + self._group_mates(handled):
+            before = self._steps_before.get(index)
+            if before is None or id(group) not in lrs or param.grad is None or param.grad.is_sparse:
+                continue
+            entry = self._bnb_ahead_entry(index, position, group, param, lrs[id(group)], before + 1)
+            if entry is not None:
+                entries.append((entry, "nearest" if index in mates else self.rounding))
+                self._ahead.add(index)
+        self._write_entries(entries)
+
+    def _write_entries(self, entries: list[tuple[_Entry, str]]) -> None:
+        """Write each entry with its rounding: stochastic rounding and moments computed here through
+        :func:`_fused_write`, a batch per set of its scalars; nearest and compensated rounding with the optimizer's
+        own op sequence. Batched per device, dtype and formula, in chunks."""
+        by_key: dict[tuple[Any, ...], list[_Entry]] = defaultdict(list)
+        for entry, rounding in entries:
+            own = entry.grad is not None
+            key = (entry.hyper(), own) if rounding == "stochastic" or own else rounding
+            by_key[(entry.param.device, entry.param.dtype, entry.formula, entry.bound is not None, key)].append(entry)
+        for (device, _, formula, bounded, key), group in by_key.items():
+            for batch in _chunks(group, CPU_CHUNK_ELEMENTS if device.type == "cpu" else CHUNK_ELEMENTS):
                 if isinstance(key, str):
                     self._write(batch, formula, bounded, key)
                 else:
@@ -545,18 +579,10 @@ class WeightWriteBack:
                           split, "addcdiv", decay, step_size, bc2_sqrt, group["eps"], step,
                           start=shard_flat_start(param), adam=adam, grad=grad)
         if self.family == "bnb":
-            config = self.optimizer.get_config(*position, group)
-            beta1, beta2 = config["betas"][0], config["betas"][1]
-            wd, eps = config["weight_decay"], config["eps"]
-            c1, c2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
             coded = state["state1"].dtype != torch.float32
-            formula: Formula = "bnb_cuda" if param.device.type != "cpu" else "addcdiv" if coded else "bnb32"
-            step_size = -lr / c1 if formula == "addcdiv" else -lr * c2 / c1
-            bound = None
-            if coded:  # the denominator of "addcdiv" is sqrt(v) / c2 + eps, of the others sqrt(v) + eps * c2
-                bound = adam_ratio_bound(beta1, beta2, step) * (c2 if formula == "addcdiv" else 1.0)
-            return _Entry(index, param, lambda a, b: (_bnb_moment(state, 1, a, b), _bnb_moment(state, 2, a, b)),
-                          True, formula, 1.0 - lr * wd if wd > 0.0 else 1.0, step_size, c2, eps, step, bound)
+            return self._bnb_entry(index, param, self.optimizer.get_config(*position, group), lr, step, coded,
+                                   lambda a, b: (_bnb_moment(state, 1, a, b), _bnb_moment(state, 2, a, b)),
+                                   bounded=coded)
         formats = [self.optimizer.moment_format(param, name) for name in ("m", "v")]
         states = [self.optimizer.moment_state(param, name) for name in ("m", "v")]
 
@@ -572,6 +598,48 @@ class WeightWriteBack:
             bound = adam_ratio_bound(beta1, beta2, step) * bc2_sqrt
         return _Entry(index, param, moments, False, "quantized", 1 - lr * group["weight_decay"],
                       -lr / (1 - beta1**step), bc2_sqrt, group["eps"], step, bound)
+
+    def _bnb_ahead_entry(self, index: int, position: tuple[int, int], group: dict[str, Any], param: Tensor, lr: Any,
+                         step: int) -> _Entry | None:
+        """``param``'s entry for a write ahead of bitsandbytes' 8-bit update: its moments are this step's in fp32,
+        from the codes stored before it (zero before the first step) and the gradient, with bitsandbytes' own ops.
+        None where its states are fp32 (read exactly after the step) or ``skip_zeros`` is set."""
+        config = self.optimizer.get_config(*position, group)
+        state = self.optimizer.state.get(param)
+        coded = state["state1"].dtype == torch.uint8 if state else \
+            config["optim_bits"] == 8 and param.numel() >= config["min_8bit_size"]
+        if not coded or config["skip_zeros"]:
+            return None
+        beta1, beta2 = config["betas"][0], config["betas"][1]
+        grad = param.grad
+
+        def moments(start: int, stop: int) -> tuple[Tensor, Tensor]:
+            g = _flat_range(grad, start, stop).float().reshape(-1)
+            if state:
+                m, v = _bnb_moment(state, 1, start, stop), _bnb_moment(state, 2, start, stop)
+            else:
+                m, v = torch.zeros_like(g), torch.zeros_like(g)
+            return m.mul_(beta1).add_(g, alpha=1.0 - beta1), v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+
+        return self._bnb_entry(index, param, config, lr, step, coded, moments, bounded=False,
+                               split=grad.is_contiguous())
+
+    @staticmethod
+    def _bnb_entry(index: int, param: Tensor, config: dict[str, Any], lr: float, step: int, coded: bool,
+                   moments: Moments, bounded: bool, split: bool = True) -> _Entry:
+        """A bitsandbytes parameter's update scalars in the form of its kernel (CUDA, or the CPU ops for 8-bit or
+        32-bit states); ``bounded``: ``moments`` reads requantized codes, so ``|m / denom|`` is clamped."""
+        lr = float(lr)
+        beta1, beta2 = config["betas"][0], config["betas"][1]
+        wd, eps = config["weight_decay"], config["eps"]
+        c1, c2 = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
+        formula: Formula = "bnb_cuda" if param.device.type != "cpu" else "addcdiv" if coded else "bnb32"
+        step_size = -lr / c1 if formula == "addcdiv" else -lr * c2 / c1
+        bound = None
+        if bounded:  # the denominator of "addcdiv" is sqrt(v) / c2 + eps, of the others sqrt(v) + eps * c2
+            bound = adam_ratio_bound(beta1, beta2, step) * (c2 if formula == "addcdiv" else 1.0)
+        return _Entry(index, param, moments, split, formula, 1.0 - lr * wd if wd > 0.0 else 1.0, step_size, c2, eps,
+                      step, bound)
 
     def _check_bnb_overrides(self) -> None:
         """bitsandbytes' per-parameter ``lr`` overrides would escape the zeroed group lr: refuse them."""
