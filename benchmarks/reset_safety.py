@@ -38,8 +38,8 @@ class ResetOnce(ResetPolicy):
     def should_reset(self, unit, step: int) -> bool:
         return step == self.at
 
-    def due(self, schedule, step: int) -> np.ndarray:
-        return np.full(len(schedule.units), step == self.at)
+    def due(self, ledger, step: int) -> np.ndarray:
+        return np.full(len(ledger.rows), step == self.at)
 
 
 def optimizers(torchao: bool) -> dict[str, Callable]:

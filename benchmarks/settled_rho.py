@@ -3,7 +3,7 @@
 
 The long plan's set-up (the demo's 0.13M model, lr 2e-3, b2 0.999, bitsandbytes AdamW8bit, 128-element 8-bit
 threshold) in a plain loop with ``StaleStateMonitor(coverage_steps=50)``; at each step asked for, the optimizer state
-is saved, inspected, and compared with ``monitor.units()``. The first column is the estimate of the first measured
+is saved, inspected, and compared with ``monitor.rows()``. The first column is the estimate of the first measured
 step, which lightning_stale 0.1 kept for the whole run.
 
     python benchmarks/settled_rho.py --steps 100,400,1000,2000
@@ -53,7 +53,7 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
             schedule.step()
-            live = {names[id(u.param)]: u.rho for u in monitor.units() if u.rho is not None}
+            live = {names[id(u.param)]: u.rho for u in monitor.rows() if u.rho is not None}
             for name, rho in live.items():  # each parameter's first estimate (at its first measurement)
                 first.setdefault(name, rho)
             if step not in marks:

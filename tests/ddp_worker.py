@@ -144,8 +144,8 @@ def main(out: Path, reset: str, steps: int) -> None:
         "final_state": [state_hashes(opt) for opt in trainer.optimizers],
         "final_params": {n: tensor_hash(p) for n, p in model.named_parameters()},
         "local_totals": callback.local,
-        "remedies": [[u.remedy for u in callback.monitor.units(i)] for i in range(len(trainer.optimizers))],
-        "underflow": [[u.underflow for u in callback.monitor.units(i)] for i in range(len(trainer.optimizers))],
+        "remedies": [[u.remedy for u in callback.monitor.rows(i)] for i in range(len(trainer.optimizers))],
+        "underflow": [[u.underflow for u in callback.monitor.rows(i)] for i in range(len(trainer.optimizers))],
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_stale import StaleStateMonitor
-from lightning_stale.decide.ledger import RHO_FINAL, ResetSchedule
+from lightning_stale.decide.ledger import RHO_FINAL, Ledger
 from lightning_stale.monitor.pipeline import OptimizerPipeline
 from lightning_stale.optim import QuantizedAdamW
 
@@ -31,8 +31,8 @@ def _pipeline(state_format: str = "bf16", steps: int = 3, **options) -> tuple[Op
 
 def test_ledger_carries_rows_by_key_and_stashes_departed_ones() -> None:
     track, _ = _pipeline()
-    units = track.engine.units
-    ledger = ResetSchedule()
+    units = track.engine.tracked
+    ledger = Ledger()
     ledger.sync(units)
     ledger.arrays["resets"][:] = np.arange(len(units))
     ledger.sync(units[1:])  # the first parameter's state went away: its row is stashed
@@ -41,14 +41,14 @@ def test_ledger_carries_rows_by_key_and_stashes_departed_ones() -> None:
     ledger.arrays["resets"][0] = 7
     new = ledger.sync(units)  # it returns with its history; the others keep theirs
     assert [u.key for u in new] == [units[0].key] and ledger.arrays["resets"].tolist() == [0, 7, 2, 3]
-    restored = ResetSchedule()
+    restored = Ledger()
     restored.load_state_dict(ledger.state_dict())
     restored.sync(units)
     assert restored.arrays["resets"].tolist() == [0, 7, 2, 3]
 
 
 def test_ledger_ages_and_guard_windows() -> None:
-    ledger = ResetSchedule.of(3, age=[5, 6, 7])
+    ledger = Ledger.of(3, age=[5, 6, 7])
     ledger.open_guard(np.array([1]), 2)
     ledger.open_guard(np.array([1]), 1)  # a shorter window does not shorten an open one
     assert ledger.arrays["guard_left"].tolist() == [0, 2, 0] and ledger.guarding
@@ -69,7 +69,7 @@ def test_drift_panel_reads_stored_v_against_its_fp32_shadow() -> None:
 def test_forecast_knows_rho_hat_of_float_formats_in_closed_form() -> None:
     track, _ = _pipeline(state_format="bf16")
     assert not track.forecast.pending
-    rho, state = track.schedule.arrays["rho"], track.schedule.arrays["rho_state"]
+    rho, state = track.ledger.arrays["rho"], track.ledger.arrays["rho_state"]
     assert np.all(state == RHO_FINAL)
     assert np.all(rho[:3] > 1) and math.isnan(rho[3])  # bf16 at beta2 = 0.999 stalls; the 2-element bias stays fp32
     predicted = track.forecast.window(track.engine.entries)
@@ -81,7 +81,7 @@ def test_forecast_knows_rho_hat_of_float_formats_in_closed_form() -> None:
 
 def test_pipeline_counts_only_steps_that_ran() -> None:
     track, model = _pipeline(steps=4)
-    assert track.steps == 4 and track.schedule.ages.tolist() == [4] * len(track.schedule.units)
+    assert track.steps == 4 and track.ledger.ages.tolist() == [4] * len(track.ledger.rows)
     track.optimizer.found_inf = torch.ones(())  # GradScaler's verdict on a fused step: skipped
     track.before_step()
     track.after_step()
@@ -93,10 +93,10 @@ def test_interventions_reset_in_place_and_report_the_event() -> None:
     track, model = _pipeline(steps=4)
     events = []
     track.interventions.listeners.append(events.append)
-    unit = track.schedule.units[0]
+    unit = track.ledger.rows[0]
     tensors = [t for slot in unit.slots for t in slot.state_tensors()]
     addresses = [t.data_ptr() for t in tensors]
     track.interventions.reset([unit], ("m", "v"), track.steps)
     assert [t.data_ptr() for t in tensors] == addresses  # in place
     assert track.interventions.resets == 1 and len(events) == 1 and events[0].step == 4
-    assert track.schedule.arrays["resets"][0] == 1 and track.schedule.ages[0] == 0
+    assert track.ledger.arrays["resets"][0] == 1 and track.ledger.ages[0] == 0

@@ -2,7 +2,7 @@
 
 Each test trains a few steps with the monitor attached (Lightning with bitsandbytes AdamW8bit and QuantizedAdamW fp8,
 a plain loop saved as the README's recipe, a Hugging Face Trainer, a distributed checkpoint), saves what that loop
-saves, inspects it and compares: formats with ``monitor.slots()``, rho-hat and periods with ``monitor.units()`` and
+saves, inspects it and compares: formats with ``monitor.slots()``, rho-hat and periods with ``monitor.rows()`` and
 the live estimator, resets and steps since reset with the saved callback state, zero shares with a direct count on
 the saved tensors. Bad inputs each get a one-line message.
 """
@@ -104,7 +104,7 @@ def test_lightning_bitsandbytes_checkpoint_matches_the_live_monitor(tmp_path, ca
             assert rows[key].rho == slot_theory.estimate_rho(slot, key[0]) is not None
     saved = torch.load(path, weights_only=True)
     schedule = next(iter(saved["callbacks"].values()))["optimizers"][0]["schedule"]
-    for p, unit in zip(params, monitor.units()):
+    for p, unit in zip(params, monitor.rows()):
         assert p.unit == unit.key and p.step == 20
         assert p.monitor["period"] == unit.period and schedule[unit.key]["period"] == (unit.period or -1)
         assert p.monitor["age"] == unit.age == 20 and p.monitor["resets"] == 0
@@ -135,7 +135,7 @@ def test_lightning_quantized_adamw_fp8_checkpoint_with_resets(tmp_path, capsys):
     rows, live = _rows(report), _live(monitor)
     for key, slot in live.items():
         assert rows[key].format == slot.format  # fp8_e4m3 from 256 elements on, fp32 below
-    for p, unit in zip(report.optimizers[0].params, monitor.units()):
+    for p, unit in zip(report.optimizers[0].params, monitor.rows()):
         v = next(m for m in p.moments if m.moment == "v")
         # a closed form: the live monitor's rho-hat and the report's agree exactly, K* from the same rule
         assert v.rho == unit.rho or (v.rho is None and unit.rho is None)
@@ -171,7 +171,7 @@ def test_plain_loop_checkpoint_table_json_and_figure(tmp_path, capsys):
     report = build_report(str(path))
     assert report.names == "the model state_dict under 'model', matched by order and shape"
     assert [p.name for p in report.optimizers[0].params] == [n for n, _ in model.named_parameters()]
-    for p, unit in zip(report.optimizers[0].params, monitor.units()):
+    for p, unit in zip(report.optimizers[0].params, monitor.rows()):
         v = next(m for m in p.moments if m.moment == "v")
         assert v.format == "bf16" and v.rho == unit.rho and v.k_star == unit.period == p.monitor["period"]
     rc, out, err = _inspect(capsys, str(path), "--plot", str(tmp_path / "inspect.png"), "--top", "2")

@@ -85,7 +85,7 @@ def test_skipped_steps_are_not_counted_and_shift_the_schedule(tmp_path, fused):
 
     assert callback.monitor.steps == [STEPS - len(skipped)]  # real steps seen by the callback
     since_last = STEPS - resets[-1] - sum(s > resets[-1] for s in skipped)
-    assert {u.age for u in callback.monitor.units()} == {since_last}
+    assert {u.age for u in callback.monitor.rows()} == {since_last}
 
     # Nothing was measured on a skipped step. The callback logs nothing then, so the CSV row of a skipped step only
     # repeats the previous row (Lightning re-emits a step metric until the epoch ends). Counted as a stall, the

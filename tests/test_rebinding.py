@@ -65,4 +65,4 @@ def test_sgd_momentum_recreated_after_a_reset_is_measured_again():
     train(model, optimizer, 4)  # the reset deleted the buffers; SGD recreated them at step 5
     row = monitor.compute()
     assert row["stale/m/frac"] < 0.5  # a dead tensor never changes: it read 1.0 before the slots were re-bound
-    assert [u.resets for u in monitor.units()] == [2] * 4 and [u.age for u in monitor.units()] == [0] * 4
+    assert [u.resets for u in monitor.rows()] == [2] * 4 and [u.age for u in monitor.rows()] == [0] * 4

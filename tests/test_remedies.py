@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_stale import StaleStateCallback, StaleStateMonitor
 from lightning_stale.adapters import adapter_for
-from lightning_stale.decide.ledger import ResetSchedule
+from lightning_stale.decide.ledger import Ledger
 from lightning_stale.monitor import metrics
 from lightning_stale.policies import DriftReset
 from lightning_stale.remedies import GUARD, NONE, REMEDIES, RESET, STOCHASTIC, AutoRemedy
@@ -21,30 +21,30 @@ RESET_KEY = metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[RESET])
 SR_KEY = metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[STOCHASTIC])
 
 
-def schedule_with(**columns: list[float]) -> ResetSchedule:
-    """A schedule whose per-parameter arrays hold the given signals (the other fields at their defaults)."""
-    return ResetSchedule.of(len(next(iter(columns.values()))), **columns)
+def ledger_with(**columns: list[float]) -> Ledger:
+    """A ledger whose per-parameter arrays hold the given signals (the other fields at their defaults)."""
+    return Ledger.of(len(next(iter(columns.values()))), **columns)
 
 
 # -- decisions from synthetic signals ---------------------------------------------------------------------------------
 
 def test_auto_remedy_picks_the_remedy_of_each_cause():
     nan = math.nan
-    schedule = schedule_with(
+    ledger = ledger_with(
         underflow=[0.02, 0.0, 0.0, 0.0, nan, 0.0, 0.05, 0.0],
         drift=[1.0, 1.0, 1.7, 0.6, 1.7, 1.7, 0.5, 1.49],
         age=[100, 100, 100, 100, 100, 10, 100, 100],
     )
-    chosen = AutoRemedy(drift_band=1.5, min_interval=50).choose(schedule)
+    chosen = AutoRemedy(drift_band=1.5, min_interval=50).choose(ledger)
     # underflow -> guard; drifted high or low -> reset; no underflow reading yet still resets on drift; too young
     # for a reset -> nothing; underflow beats drift (an underflowing v reads as drifted low); in band -> nothing
     assert chosen.tolist() == [GUARD, NONE, RESET, RESET, RESET, NONE, GUARD, NONE]
 
 
 def test_auto_remedy_threshold_and_unread_signals():
-    schedule = schedule_with(underflow=[math.nan, 0.001, 0.01], drift=[math.nan] * 3, age=[500] * 3)
-    assert AutoRemedy().choose(schedule).tolist() == [NONE, GUARD, GUARD]
-    assert AutoRemedy(underflow_threshold=0.005).choose(schedule).tolist() == [NONE, NONE, GUARD]
+    ledger = ledger_with(underflow=[math.nan, 0.001, 0.01], drift=[math.nan] * 3, age=[500] * 3)
+    assert AutoRemedy().choose(ledger).tolist() == [NONE, GUARD, GUARD]
+    assert AutoRemedy(underflow_threshold=0.005).choose(ledger).tolist() == [NONE, NONE, GUARD]
 
 
 @pytest.mark.parametrize(("rho", "beta", "rounding", "expected"), [
@@ -67,9 +67,9 @@ def test_foresight_calls_for_stochastic_rounding_where_drift_is_predicted_and_it
 
 
 def test_drift_reset_due_matches_should_reset():
-    schedule = schedule_with(drift=[1.0, 1.26, 0.79, math.nan, 2.0], age=[60, 60, 60, 60, 20])
+    ledger = ledger_with(drift=[1.0, 1.26, 0.79, math.nan, 2.0], age=[60, 60, 60, 60, 20])
     policy = DriftReset(band=1.25, min_interval=50)
-    assert policy.due(schedule, step=60).tolist() == [False, True, True, False, False]
+    assert policy.due(ledger, step=60).tolist() == [False, True, True, False, False]
 
 
 # -- one short real run per remedy ------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_auto_guards_the_parameter_whose_v_underflows(caplog):
     assert hazard(slots, model.weight) > 0  # the hazard is there without the remedy
     with caplog.at_level("INFO"):
         monitor, slots, model = underflowing_fp8(steps=3, remedy="auto")
-    units = {u.param is model.weight: u for u in monitor.units()}
+    units = {u.param is model.weight: u for u in monitor.rows()}
     assert REMEDIES[units[True].remedy] == "guard" and units[True].guard_left > 0 and units[True].underflow > 0.5
     assert REMEDIES[units[False].remedy] == "none"  # the bias never underflows
     assert hazard(slots, model.weight) == 0  # guarded after the check: no element with v zero and m non-zero
@@ -123,7 +123,7 @@ def test_auto_never_guards_a_grid_without_zero():
         for p in model.parameters():  # magnitudes over 4 decades: most of each block takes the smallest code
             p.grad = torch.randn_like(p) * 10 ** (-4 * torch.rand_like(p))
         opt.step()
-    assert all(u.underflow == 0.0 and REMEDIES[u.remedy] == "none" for u in monitor.units())
+    assert all(u.underflow == 0.0 and REMEDIES[u.remedy] == "none" for u in monitor.rows())
 
 
 def decaying_bf16(steps: int, kind: str = "qadamw:bf16", **options):
@@ -156,7 +156,7 @@ def test_drift_policy_resets_when_v_leaves_the_band():
     monitor, resets, _ = decaying_bf16(500, reset="drift")
     # ln(1.5) / (1 - 0.999) = 405 steps of decay after step 20, read at the next check (every 10 steps)
     assert resets and 400 <= resets[0] <= 450
-    assert monitor.units()[0].resets >= 1
+    assert monitor.rows()[0].resets >= 1
     assert monitor.compute()["stale/v/drift"] < 1.5  # restarted: stored v and its shadow agree again
 
 
@@ -164,13 +164,13 @@ def test_auto_switches_a_drifting_moment_to_stochastic_rounding_where_it_can():
     # no foresight (which would switch bf16 at the first step): the measured drift decides
     monitor, resets, opt = decaying_bf16(500, remedy=AutoRemedy(drift_rho=math.inf))
     assert resets == [] and opt.param_groups[0]["rounding"] == "stochastic"
-    assert REMEDIES[monitor.units()[0].remedy] == "stochastic"
+    assert REMEDIES[monitor.rows()[0].remedy] == "stochastic"
     row = monitor.compute()
     assert row[SR_KEY] == 1.0 and row[RESET_KEY] == 0.0 and row[GUARD_KEY] == 0.0
     again, _, opt = decaying_bf16(1, remedy=AutoRemedy(drift_rho=math.inf))
     again.load_state_dict(monitor.state_dict())
-    opt.step()  # the resumed schedule is adopted at the next step
-    assert REMEDIES[again.units()[0].remedy] == "stochastic"
+    opt.step()  # the resumed ledger is adopted at the next step
+    assert REMEDIES[again.rows()[0].remedy] == "stochastic"
 
 
 def test_auto_resets_a_drifting_moment_where_rounding_cannot_change():
@@ -241,7 +241,7 @@ def test_auto_foresight_per_family(caplog, kind, switched, said):
             opt.step()
     rounding = opt.param_groups[0].get("rounding")
     assert (rounding == "stochastic") == switched
-    assert (REMEDIES[monitor.units()[0].remedy] == "stochastic") == switched
+    assert (REMEDIES[monitor.rows()[0].remedy] == "stochastic") == switched
     assert ("predicted drift" in caplog.text) == (said is not None)
     if said:
         assert said in caplog.text
@@ -266,6 +266,6 @@ def test_reset_parameters_stay_guarded_while_their_v_underflows():
         model.weight.grad[0, 0] = 1e3  # flushes the others' v to zero
         model.bias.grad = torch.ones_like(model.bias)
         opt.step()
-    weight = next(u for u in monitor.units() if u.param is model.weight)
+    weight = next(u for u in monitor.rows() if u.param is model.weight)
     assert weight.resets == 1 and weight.underflow > 0.5 and weight.guard_left > 0
     assert hazard(adapter_for(opt).slots(), model.weight) == 0

@@ -32,8 +32,8 @@ class ResetAt(ResetPolicy):
     def should_reset(self, unit, step: int) -> bool:
         return step in self.steps
 
-    def due(self, schedule, step: int) -> np.ndarray:
-        return np.full(len(schedule.units), step in self.steps)
+    def due(self, ledger, step: int) -> np.ndarray:
+        return np.full(len(ledger.rows), step in self.steps)
 
 
 def largest_update_after_resets(kind: str, moments, at=(8, 60), **options) -> float:

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_stale.adapters import adapter_for
 from lightning_stale.decide.forecast import StallForecast
-from lightning_stale.decide.ledger import ResetSchedule, without_periods
+from lightning_stale.decide.ledger import Ledger, without_periods
 from lightning_stale.measure.counting import Counts
 from lightning_stale.measure.drift import DriftPanel
 from lightning_stale.measure.engine import StallEngine
@@ -103,7 +103,7 @@ def test_counts_stash_a_departed_slot_and_restore_it_on_the_state_dtype() -> Non
 
 def test_drift_panel_stashes_the_shadow_of_a_departed_slot_and_restores_it() -> None:
     engine, _ = _engine()
-    panel, units = engine.panel, engine.units
+    panel, units = engine.panel, engine.tracked
     shadows = panel.state_dict()
     key = next(iter(shadows))
     others = [u for u in units if not key.startswith(u.key + ".")]
@@ -158,15 +158,15 @@ def test_forecast_window_is_a_readout_even_when_the_slots_changed() -> None:
 
 def test_ledger_loads_a_state_without_the_periods_another_policy_chose() -> None:
     engine, _ = _engine()
-    ledger = ResetSchedule()
-    ledger.sync(engine.units)
-    ledger.units[0].period = 9
-    ledger.units[0].period_source = "theory"
+    ledger = Ledger()
+    ledger.sync(engine.tracked)
+    ledger.rows[0].period = 9
+    ledger.rows[0].period_source = "theory"
     saved = ledger.state_dict()
-    again = ResetSchedule()
+    again = Ledger()
     again.load_state_dict(without_periods(saved))
-    again.sync(engine.units)
-    assert again.units[0].period is None and again.units[0].period_source == ""
+    again.sync(engine.tracked)
+    assert again.rows[0].period is None and again.rows[0].period_source == ""
     again.load_state_dict(saved)
-    again.sync(engine.units)
-    assert again.units[0].period == 9 and again.units[0].period_source == "theory"
+    again.sync(engine.tracked)
+    assert again.rows[0].period == 9 and again.rows[0].period_source == "theory"

@@ -90,7 +90,7 @@ def test_the_fit_start_report_names_the_periods_it_chose(caplog):
     assert line.count(" x1") == 3  # one entry per estimated parameter: its period (none below rho-hat 1) and why
     for name in ("0.weight", "0.bias", "2.weight"):
         assert f"{periods[name]} (" in line
-    assert all(u.rho_state != RHO_PENDING for u in monitor.units())
+    assert all(u.rho_state != RHO_PENDING for u in monitor.rows())
 
 
 @pytest.mark.parametrize("moments", [("m", "v"), ("v",)])

@@ -3,7 +3,7 @@ the remedy: resets (announced to listeners as a :class:`ResetEvent`), the underf
 guard windows), the post-reset warm-up, and the remedy's choices (guard windows, stochastic rounding, resets).
 
 Every change to optimizer state is made in place by the adapter or the guard; the bookkeeping goes through the
-schedule's mutators.
+ledger's mutators.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import Tensor
 from lightning_stale.act import guard
 from lightning_stale.act.weights import WeightWriteBack
 from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
-from lightning_stale.decide.ledger import LedgerRow, ResetSchedule
+from lightning_stale.decide.ledger import Ledger, LedgerRow
 from lightning_stale.decide.remedies import GUARD, GUARD_CHECKS, NONE, RESET, STOCHASTIC, Remedy
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.monitor.messages import info
@@ -57,7 +57,7 @@ class Interventions:
     """Resets, guard, warm-up and remedy actions for one optimizer.
 
     Args:
-        adapter, engine, schedule: the optimizer's components (the engine's drift shadows restart with a reset).
+        adapter, engine, ledger: the optimizer's components (the engine's drift shadows restart with a reset).
         underflow_guard: guard every parameter after every step (else only inside guard windows).
         warmup_steps: post-reset warm-up length (0: none).
         exact_v_reset: use the adapter's exact (unbounded) per-moment reset.
@@ -65,10 +65,10 @@ class Interventions:
         name: a parameter's readable name, for messages.
     """
 
-    def __init__(self, adapter: OptimizerAdapter, engine: StallEngine, schedule: ResetSchedule, *,
+    def __init__(self, adapter: OptimizerAdapter, engine: StallEngine, ledger: Ledger, *,
                  underflow_guard: bool, warmup_steps: int, exact_v_reset: bool, listeners: list[ResetListener],
                  name: Callable[[LedgerRow], str]) -> None:
-        self.adapter, self.engine, self.schedule = adapter, engine, schedule
+        self.adapter, self.engine, self.ledger = adapter, engine, ledger
         self.underflow_guard, self.warmup_steps, self.exact_v_reset = underflow_guard, warmup_steps, exact_v_reset
         self.listeners, self._name = listeners, name
         self.resets = 0  # reset events
@@ -80,15 +80,15 @@ class Interventions:
     # -- every step --------------------------------------------------------------------------------------------------
     def before_step(self) -> None:
         """Keep the parameters inside a post-reset warm-up as they are before the step."""
-        if self.schedule.warming_any:
-            self._warming = {u.position: u.param.detach().clone() for u in self.schedule.warming()}
+        if self.ledger.warming_any:
+            self._warming = {u.position: u.param.detach().clone() for u in self.ledger.warming()}
 
     def warm_up(self) -> None:
         """Scale this step's update of recently reset parameters: p = p_old + (i / warmup_steps) * (p - p_old)."""
         for position, old in self._warming.items():
-            factor = self.schedule.use_warmup_step(position, self.warmup_steps)
+            factor = self.ledger.use_warmup_step(position, self.warmup_steps)
             with torch.no_grad():
-                self.schedule.units[position].param.lerp_(old, 1.0 - factor)
+                self.ledger.rows[position].param.lerp_(old, 1.0 - factor)
         self._warming = {}
 
     def guard(self) -> None:
@@ -96,9 +96,9 @@ class Interventions:
         the guarded set and the slots stay. Parameters whose v is stored in fp32 (or fp64) are left out: there v
         reads zero only where ``(1 - b2) * g**2`` is below 1e-45, so the guard would only cost time."""
         if self.underflow_guard:  # every parameter: the plan holds while the slots stay
-            units, key = self.schedule.units, (self.engine.version, None)
-        elif self.schedule.guarding:
-            units = self.schedule.use_guard_step()
+            units, key = self.ledger.rows, (self.engine.version, None)
+        elif self.ledger.guarding:
+            units = self.ledger.use_guard_step()
             key = (self.engine.version, tuple(u.position for u in units))
         else:
             return
@@ -116,7 +116,7 @@ class Interventions:
         self.engine.resync([u.position for u in units], tuple(moments))
         self.engine.invalidate(watch=REBIND_REFRESHES)
         slots = [s for u in units for s in u.slots if s.moment in moments]
-        self.schedule.record_reset(units, step, self.warmup_steps, POST_RESET_GUARD_STEPS)
+        self.ledger.record_reset(units, step, self.warmup_steps, POST_RESET_GUARD_STEPS)
         self.resets += 1
         event = ResetEvent(step, self.adapter.optimizer, slots)
         for listener in self.listeners:
@@ -136,13 +136,13 @@ class Interventions:
                    if (why := remedy.foresee(u.rho, beta, rounding)) is not None}
         if not reasons:
             return
-        schedule = self.schedule
-        chosen = [schedule.units[i] for i in reasons]
+        ledger = self.ledger
+        chosen = [ledger.rows[i] for i in reasons]
         by_reason = ", ".join(f"{why} x{n}" for why, n in Counter(reasons.values()).items())
         if self.adapter.use_stochastic_rounding(u.param for u in chosen):
-            choice = schedule.arrays["remedy"].copy()
+            choice = ledger.arrays["remedy"].copy()
             choice[list(reasons)] = STOCHASTIC
-            schedule.set_remedy(choice)
+            ledger.set_remedy(choice)
             info(f"[lightning_stale] remedy: stochastic rounding from step {step + 1} for {len(chosen)} parameter(s) "
                  f"(e.g. {self._name(chosen[0])!r}): {by_reason}")
         else:
@@ -154,37 +154,37 @@ class Interventions:
         until the next checks. A reset restarts v from zero, and under one scale per tensor the small elements of a
         young v round to zero and, with nearest rounding, stay there: the guard must outlast them, not a fixed
         window."""
-        schedule = self.schedule
+        ledger = self.ledger
         with np.errstate(invalid="ignore"):  # nan: no reading
-            rows = np.flatnonzero((schedule.arrays["guard_left"] > 0) & (schedule.arrays["underflow"] > 0))
-        schedule.open_guard(rows, GUARD_CHECKS * check_every)
+            rows = np.flatnonzero((ledger.arrays["guard_left"] > 0) & (ledger.arrays["underflow"] > 0))
+        ledger.open_guard(rows, GUARD_CHECKS * check_every)
 
     def apply_remedy(self, remedy: Remedy, step: int, check_every: int) -> None:
         """Apply the remedy's choice after a check step: open (or extend) guard windows; for drifted parameters switch
         to stochastic rounding where the optimizer has it (once), else reset them."""
-        schedule = self.schedule
-        previous = schedule.arrays["remedy"]
-        chosen = remedy.choose(schedule)
+        ledger = self.ledger
+        previous = ledger.arrays["remedy"]
+        chosen = remedy.choose(ledger)
         # Both switches are for good: a parameter whose v underflowed once stays guarded (its window is re-armed at
         # every check), and stochastic rounding stays on; only a new cause (drift, underflow) changes the choice.
         chosen[(chosen == NONE) & (previous == GUARD)] = GUARD
         chosen[(previous == STOCHASTIC) & (chosen != GUARD)] = STOCHASTIC
         drifted = np.flatnonzero(chosen == RESET)
-        if drifted.size and self.adapter.use_stochastic_rounding([schedule.units[i].param for i in drifted]):
+        if drifted.size and self.adapter.use_stochastic_rounding([ledger.rows[i].param for i in drifted]):
             chosen[drifted] = STOCHASTIC
-            first = schedule.units[drifted[0]]
+            first = ledger.rows[drifted[0]]
             info(f"[lightning_stale] remedy: stochastic rounding from step {step + 1} for {drifted.size} parameter(s) "
                  f"whose stored v {remedy.describe_drift()} (e.g. {self._name(first)!r}: {first.drift:.2f})")
         guard_rows = np.flatnonzero(chosen == GUARD)
         for i in guard_rows[previous[guard_rows] != GUARD]:
-            unit = schedule.units[i]
+            unit = ledger.rows[i]
             info(f"[lightning_stale] remedy: underflow guard on for {self._name(unit)!r} (v stored as zero for "
                  f"{100 * unit.underflow:.2g}% of its sampled elements with a non-zero gradient)")
-        schedule.open_guard(guard_rows, GUARD_CHECKS * check_every)
-        schedule.set_remedy(chosen)
+        ledger.open_guard(guard_rows, GUARD_CHECKS * check_every)
+        ledger.set_remedy(chosen)
         reset_rows = np.flatnonzero(chosen == RESET)
         if reset_rows.size:
-            units = [schedule.units[i] for i in reset_rows]
+            units = [ledger.rows[i] for i in reset_rows]
             info(f"[lightning_stale] remedy: reset {len(units)} parameter(s) whose stored v {remedy.describe_drift()} "
                  f"(e.g. {self._name(units[0])!r}: {units[0].drift:.2f}) at step {step}")
             self.remedy_resets += len(units)
@@ -195,9 +195,9 @@ class Interventions:
         ``rows`` (``why``: each one's reason) from the next step on, for good."""
         if not rows.size:
             return
-        units = [self.schedule.units[i] for i in rows]
+        units = [self.ledger.rows[i] for i in rows]
         writeback.take_over(u.param for u in units)
-        self.schedule.set_weights(rows)
+        self.ledger.set_weights(rows)
         info(f"[lightning_stale] remedy: weight write-back with stochastic rounding from step {step + 1} for "
              f"{len(units)} parameter(s) whose stored weights stall (e.g. {self._name(units[0])!r}: {why[0]})")
 

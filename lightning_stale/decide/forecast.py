@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from lightning_stale.decide import slot_theory
-from lightning_stale.decide.ledger import RHO_FINAL, RHO_PENDING, RHO_TRACKING, LedgerRow, ResetSchedule
+from lightning_stale.decide.ledger import RHO_FINAL, RHO_PENDING, RHO_TRACKING, Ledger, LedgerRow
 from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.units import Entry
@@ -48,11 +48,11 @@ class StallForecast:
         self.sums = np.zeros((0, 2))  # per slot row: sum and count of this window's predictions
         self.rows: KeyedRows[list[float]] = KeyedRows()  # the slot key of each row; the sums of slots not held now
 
-    def adopt(self, schedule: ResetSchedule) -> None:
-        """Sort the parameters of a freshly synced schedule: rho-hat final where the closed form knows it (or there
+    def adopt(self, ledger: Ledger) -> None:
+        """Sort the parameters of a freshly synced ledger: rho-hat final where the closed form knows it (or there
         is none), pending where a grid estimate is needed, tracked where a settled one is kept current."""
         self.pending, self.tracked = set(), set()
-        for unit in schedule.units:
+        for unit in ledger.rows:
             if unit.rho_state == RHO_FINAL:
                 continue
             if unit.rho_state == RHO_TRACKING:
@@ -66,7 +66,7 @@ class StallForecast:
             if needs_estimate:
                 self.pending.add(unit.position)
             else:
-                schedule.set_rho(unit.position, math.nan if rho is None else rho, RHO_FINAL)
+                ledger.set_rho(unit.position, math.nan if rho is None else rho, RHO_FINAL)
 
     def waiting(self, unit: LedgerRow) -> bool:
         """Whether the parameter still waits for its first rho-hat (its period cannot be chosen yet)."""
@@ -78,12 +78,12 @@ class StallForecast:
         tracked = sorted(self.tracked)[checks % TRACKING_ROTATION::TRACKING_ROTATION]
         return sorted(self.pending) + tracked
 
-    def estimate(self, schedule: ResetSchedule, positions: list[int]) -> list[LedgerRow]:
+    def estimate(self, ledger: Ledger, positions: list[int]) -> list[LedgerRow]:
         """(Re-)estimate the rho-hat of the parameters at ``positions`` (pending or tracked), agreed across ranks
         (one host read per device, one collective); returns those whose period is to be chosen again: a changed
         estimate of a young state, or the first of a settled one (a settled parameter keeps its period). The same on
         every rank: the sets change only through agreed results."""
-        units = [schedule.units[i] for i in positions if i in self.pending or i in self.tracked]
+        units = [ledger.rows[i] for i in positions if i in self.pending or i in self.tracked]
         if not units:
             return []
         closed_rows, sums = [], []
@@ -114,15 +114,15 @@ class StallForecast:
                 self.tracked.add(unit.position)
             if rho != unit.rho or state != unit.rho_state:
                 settled_before = unit.rho_state == RHO_TRACKING
-                schedule.set_rho(unit.position, math.nan if rho is None else rho, state)
+                ledger.set_rho(unit.position, math.nan if rho is None else rho, state)
                 if not settled_before:  # a settled parameter's period stays; its rho-hat keeps up with the state
                     changed.append(unit)
         return changed
 
-    def record(self, measured: list[Batch], schedule: ResetSchedule) -> None:
+    def record(self, measured: list[Batch], ledger: Ledger) -> None:
         """Add the predicted stall of this step to every measured second moment whose rho-hat is known (host arrays
-        only; the schedule's ages count the updates before this step's)."""
-        rho, beta, ages = schedule.arrays["rho"], schedule.betas, schedule.ages
+        only; the ledger's ages count the updates before this step's)."""
+        rho, beta, ages = ledger.arrays["rho"], ledger.betas, ledger.ages
         for batch in measured:
             rows = batch.is_v & ~np.isnan(rho[batch.positions]) & ~np.isnan(beta[batch.positions])
             if rows.any():

@@ -1,10 +1,10 @@
 """Reset bookkeeping per parameter: ages, periods, resets, warm-up, guard windows, the theory's rho-hat, the signals
 of check steps and the automatic remedy's choice; arrays over parameters.
 
-One :class:`ResetSchedule` per optimizer. Its per-parameter fields are numpy arrays so that the per-step work
+One :class:`Ledger` per optimizer. Its per-parameter fields are numpy arrays so that the per-step work
 (every age advances, built-in policies compare ages with periods) is a few vectorized operations whatever the number
 of parameters; a policy sees one parameter through a :class:`LedgerRow`, a view into those arrays. Only this module
-writes the arrays: the other components call the schedule's named mutators, and policies write the fields that are
+writes the arrays: the other components call the ledger's named mutators, and policies write the fields that are
 theirs (``period``, ``period_source``, ``accumulator``, ``measured``) through the unit.
 """
 
@@ -56,8 +56,8 @@ RHO_PENDING, RHO_FINAL, RHO_TRACKING = range(3)
 class LedgerRow:
     """One parameter as a policy sees it: its slots and its bookkeeping fields (read and written in place)."""
 
-    def __init__(self, schedule: ResetSchedule, position: int, tracked: TrackedParam) -> None:
-        self._schedule, self.position, self._tracked = schedule, position, tracked
+    def __init__(self, ledger: Ledger, position: int, tracked: TrackedParam) -> None:
+        self._ledger, self.position, self._tracked = ledger, position, tracked
 
     key = property(lambda self: self._tracked.key)
     param = property(lambda self: self._tracked.param)
@@ -72,25 +72,25 @@ class LedgerRow:
 
     @property
     def period(self) -> int | None:
-        value = int(self._schedule.arrays["period"][self.position])
+        value = int(self._ledger.arrays["period"][self.position])
         return None if value == NO_PERIOD else value
 
     @period.setter
     def period(self, value: int | None) -> None:
-        self._schedule.arrays["period"][self.position] = NO_PERIOD if value is None else value
+        self._ledger.arrays["period"][self.position] = NO_PERIOD if value is None else value
 
     @property
     def rho(self) -> float | None:
-        value = float(self._schedule.arrays["rho"][self.position])
+        value = float(self._ledger.arrays["rho"][self.position])
         return None if math.isnan(value) else value
 
     @property
     def period_source(self) -> str:
-        return self._schedule.sources[self.position]
+        return self._ledger.sources[self.position]
 
     @period_source.setter
     def period_source(self, value: str) -> None:
-        self._schedule.sources[self.position] = value
+        self._ledger.sources[self.position] = value
 
     def __repr__(self) -> str:
         return f"LedgerRow({self.key!r}, age={self.age}, period={self.period})"
@@ -98,10 +98,10 @@ class LedgerRow:
 
 def _field(name: str, kind: type, writable: bool) -> property:
     def get(self: LedgerRow) -> Any:
-        return kind(self._schedule.arrays[name][self.position])
+        return kind(self._ledger.arrays[name][self.position])
 
     def set(self: LedgerRow, value: Any) -> None:
-        self._schedule.arrays[name][self.position] = value
+        self._ledger.arrays[name][self.position] = value
 
     return property(get, set if writable else None)
 
@@ -113,15 +113,15 @@ for _name in ("accumulator", "drift", "underflow", "weight_stall"):
     setattr(LedgerRow, _name, _field(_name, float, _name in POLICY_FIELDS))
 
 
-class ResetSchedule:
-    """Reset bookkeeping of one optimizer's parameters, aligned with its engine's units."""
+class Ledger:
+    """Reset bookkeeping of one optimizer's parameters, a row per parameter its engine tracks."""
 
     def __init__(self) -> None:
         self._clear()
 
     def _clear(self) -> None:
-        self.units: list[LedgerRow] = []
-        self.rows: KeyedRows[dict[str, Any]] = KeyedRows()  # each row's key; fields of parameters not synced now
+        self.rows: list[LedgerRow] = []
+        self._keyed: KeyedRows[dict[str, Any]] = KeyedRows()  # each row's key; fields of parameters not synced now
         self.arrays: dict[str, np.ndarray] = {name: np.zeros(0, dtype=kind) for name, (kind, _) in FIELDS.items()}
         self.sources: list[str] = []  # why each period was chosen ("" until the policy configured the unit)
         self.betas = np.zeros(0)  # beta of each driver slot (nan when it is not an EMA)
@@ -129,7 +129,7 @@ class ResetSchedule:
     @property
     def keys(self) -> list[str]:
         """The parameter key of each row."""
-        return self.rows.keys
+        return self._keyed.keys
 
     def sync(self, units: list[TrackedParam],
              initial_age: Callable[[TrackedParam], int] | None = None) -> list[LedgerRow]:
@@ -142,7 +142,7 @@ class ResetSchedule:
         sources = [""] * len(units)
         fresh: list[int] = []
         # a parameter whose state went away (a reset that deletes a buffer) keeps its history for when it returns
-        moves = self.rows.rebuild([u.key for u in units], self._saved)
+        moves = self._keyed.rebuild([u.key for u in units], self._saved)
         for i, unit in enumerate(units):
             if unit.key in moves.kept:
                 j = moves.kept[unit.key]
@@ -160,25 +160,25 @@ class ResetSchedule:
                 if restored is not None and "period" in restored:  # the period the same policy chose
                     sources[i] = restored.get("period_source", "")
         self.arrays, self.sources = arrays, sources
-        self.units = [LedgerRow(self, i, unit) for i, unit in enumerate(units)]
-        self.betas = np.array([_beta(u.driver()) for u in self.units], dtype=np.float64)
-        return [self.units[i] for i in fresh]
+        self.rows = [LedgerRow(self, i, unit) for i, unit in enumerate(units)]
+        self.betas = np.array([_beta(u.driver()) for u in self.rows], dtype=np.float64)
+        return [self.rows[i] for i in fresh]
 
     def _saved(self, key: str, row: int) -> dict[str, Any]:
         """Every field of the parameter at ``row`` (what is stashed and saved of it)."""
         return {**{name: self.arrays[name][row].item() for name in FIELDS}, "period_source": self.sources[row]}
 
     @classmethod
-    def of(cls, n: int, **fields: Any) -> ResetSchedule:
-        """A schedule of ``n`` parameters with the given fields (arrays or scalars; the others at their defaults),
+    def of(cls, n: int, **fields: Any) -> Ledger:
+        """A ledger of ``n`` parameters with the given fields (arrays or scalars; the others at their defaults),
         without slots: to ask a policy or remedy what it would decide on given signals."""
-        schedule = cls()
-        schedule.arrays = {name: np.full(n, default, dtype=kind) for name, (kind, default) in FIELDS.items()}
+        ledger = cls()
+        ledger.arrays = {name: np.full(n, default, dtype=kind) for name, (kind, default) in FIELDS.items()}
         for name, values in fields.items():
-            schedule.arrays[name][:] = values
-        schedule.sources = [""] * n
-        schedule.rows.rebuild([str(i) for i in range(n)], schedule._saved)
-        return schedule
+            ledger.arrays[name][:] = values
+        ledger.sources = [""] * n
+        ledger._keyed.rebuild([str(i) for i in range(n)], ledger._saved)
+        return ledger
 
     def resident_bytes(self) -> int:
         """Bytes of the per-parameter arrays."""
@@ -222,7 +222,7 @@ class ResetSchedule:
         """The parameters inside a guard window, each window one step shorter afterwards."""
         rows = np.flatnonzero(self.arrays["guard_left"] > 0)
         self.arrays["guard_left"][rows] -= 1
-        return [self.units[i] for i in rows]
+        return [self.rows[i] for i in rows]
 
     def use_warmup_step(self, position: int, steps: int) -> float:
         """The factor ``i / steps`` of a parameter's ``i``-th post-reset warm-up step (of ``steps``), which it uses
@@ -247,7 +247,7 @@ class ResetSchedule:
 
     def warming(self) -> list[LedgerRow]:
         """Parameters inside a post-reset warm-up."""
-        return [self.units[i] for i in np.flatnonzero(self.arrays["warmup_left"] > 0)]
+        return [self.rows[i] for i in np.flatnonzero(self.arrays["warmup_left"] > 0)]
 
     @property
     def guarding(self) -> bool:
@@ -257,18 +257,18 @@ class ResetSchedule:
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Every parameter's fields by key (with what a loaded checkpoint holds for parameters not seen again yet)."""
-        return self.rows.state_dict({key: self._saved(key, i) for i, key in enumerate(self.keys)})
+        return self._keyed.state_dict({key: self._saved(key, i) for i, key in enumerate(self.keys)})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Adopt the measured history of a checkpoint (ages, reset counts, warm-up, adaptive accumulators, rho-hat
-        estimates, periods) in place of what the schedule held; each parameter takes its part when it is next
+        estimates, periods) in place of what the ledger held; each parameter takes its part when it is next
         synced."""
         self._clear()
-        self.rows.restart(state)
+        self._keyed.restart(state)
 
 
 def without_periods(state: dict[str, Any]) -> dict[str, Any]:
-    """A saved schedule without the periods its policy chose: what a resume under another policy loads (that policy
+    """A saved ledger without the periods its policy chose: what a resume under another policy loads (that policy
     chooses them anew)."""
     return {key: {name: value for name, value in fields.items() if name not in ("period", "period_source")}
             for key, fields in state.items()}

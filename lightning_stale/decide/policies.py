@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from lightning_stale.decide import slot_theory
-from lightning_stale.decide.ledger import NO_PERIOD, LedgerRow, ResetSchedule
+from lightning_stale.decide.ledger import NO_PERIOD, Ledger, LedgerRow
 from lightning_stale.decide.registry import POLICIES, make, register_policy
 from lightning_stale.theory import statistical_error
 from lightning_stale.vocab import MOMENTS, check_int, check_moments, check_open_unit, invalid
@@ -62,13 +62,13 @@ class ResetPolicy:
         count), which is the ``unit.age``-th step since the unit's last reset."""
         raise NotImplementedError
 
-    def due(self, schedule: ResetSchedule, step: int) -> np.ndarray:
-        """:meth:`should_reset` for every parameter of ``schedule`` as a bool array: the built-ins' ``_due_all`` (array
+    def due(self, ledger: Ledger, step: int) -> np.ndarray:
+        """:meth:`should_reset` for every parameter of ``ledger`` as a bool array: the built-ins' ``_due_all`` (array
         comparisons, no Python loop per parameter per step) unless a subclass overrides ``should_reset`` below it."""
         fast = getattr(self, "_due_all", None)
         if fast is not None and _defined_by(type(self), "_due_all") is _defined_by(type(self), "should_reset"):
-            return fast(schedule, step)
-        return np.fromiter((self.should_reset(u, step) for u in schedule.units), dtype=bool, count=len(schedule.units))
+            return fast(ledger, step)
+        return np.fromiter((self.should_reset(u, step) for u in ledger.rows), dtype=bool, count=len(ledger.rows))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
@@ -90,8 +90,8 @@ class PeriodicReset(ResetPolicy):
     def should_reset(self, unit: LedgerRow, step: int) -> bool:
         return unit.age >= self.every
 
-    def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:
-        return schedule.ages >= self.every
+    def _due_all(self, ledger: Ledger, step: int) -> np.ndarray:
+        return ledger.ages >= self.every
 
 
 class TheoryReset(ResetPolicy):
@@ -120,9 +120,9 @@ class TheoryReset(ResetPolicy):
     def should_reset(self, unit: LedgerRow, step: int) -> bool:
         return unit.period is not None and unit.age >= unit.period
 
-    def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:
-        periods = schedule.arrays["period"]
-        return (periods != NO_PERIOD) & (schedule.ages >= periods)
+    def _due_all(self, ledger: Ledger, step: int) -> np.ndarray:
+        periods = ledger.arrays["period"]
+        return (periods != NO_PERIOD) & (ledger.ages >= periods)
 
 
 class AdaptiveReset(ResetPolicy):
@@ -154,14 +154,14 @@ class AdaptiveReset(ResetPolicy):
             return False
         return unit.accumulator / unit.measured >= float(statistical_error(unit.age, driver.beta))
 
-    def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:
-        ages, measured = schedule.ages, schedule.arrays["measured"]
-        ready = (ages >= self.min_interval) & (measured > 0) & ~np.isnan(schedule.betas)
+    def _due_all(self, ledger: Ledger, step: int) -> np.ndarray:
+        ages, measured = ledger.ages, ledger.arrays["measured"]
+        ready = (ages >= self.min_interval) & (measured > 0) & ~np.isnan(ledger.betas)
         if not ready.any():
             return ready
-        betas = np.where(ready, schedule.betas, 0.5)
+        betas = np.where(ready, ledger.betas, 0.5)
         error = 2.0 * betas**ages / (1.0 + betas**ages)  # statistical_error, for every parameter at once
-        return ready & (schedule.arrays["accumulator"] / np.maximum(measured, 1) >= error)
+        return ready & (ledger.arrays["accumulator"] / np.maximum(measured, 1) >= error)
 
 
 class DriftReset(ResetPolicy):
@@ -195,8 +195,8 @@ class DriftReset(ResetPolicy):
     def should_reset(self, unit: LedgerRow, step: int) -> bool:
         return bool(self.out_of_band(np.array([unit.drift]), np.array([unit.age]))[0])
 
-    def _due_all(self, schedule: ResetSchedule, step: int) -> np.ndarray:
-        return self.out_of_band(schedule.arrays["drift"], schedule.ages)
+    def _due_all(self, ledger: Ledger, step: int) -> np.ndarray:
+        return self.out_of_band(ledger.arrays["drift"], ledger.ages)
 
 
 def _defined_by(cls: type, name: str) -> type | None:

@@ -1,7 +1,7 @@
 """Remedies chosen per parameter from its measured cause (``remedy="auto"``), applied on check steps.
 
 A :class:`Remedy` judges each parameter once from the theory, as soon as its rho-hat is known (:meth:`Remedy.foresee`),
-and maps the signals every check step agrees across ranks (the schedule's ``underflow``, ``drift`` and ages) to a
+and maps the signals every check step agrees across ranks (the ledger's ``underflow``, ``drift`` and ages) to a
 choice per parameter, an index into :data:`REMEDIES`; the monitor applies both. :class:`AutoRemedy`:
 
 - **predicted drift** (before any measurement): nearest rounding of a state whose updates mostly stall lets v go up
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_stale.decide.ledger import ResetSchedule
+from lightning_stale.decide.ledger import Ledger
 from lightning_stale.decide.policies import DriftReset, check_band, check_min_interval
 from lightning_stale.decide.registry import REMEDIES as REMEDY_SHORTCUTS
 from lightning_stale.decide.registry import make, register_remedy
@@ -45,7 +45,7 @@ class Remedy:
 
     moments: tuple[str, ...] = MOMENTS
 
-    def choose(self, schedule: ResetSchedule) -> np.ndarray:
+    def choose(self, ledger: Ledger) -> np.ndarray:
         """The index in :data:`REMEDIES` of each parameter's remedy (int array) from the latest readings: GUARD,
         RESET (the monitor turns it into STOCHASTIC where the optimizer can round stochastically) or NONE."""
         raise NotImplementedError
@@ -59,10 +59,10 @@ class Remedy:
         of its stored v (where the optimizer has it), or None."""
         return None
 
-    def weights(self, schedule: ResetSchedule) -> np.ndarray:
+    def weights(self, ledger: Ledger) -> np.ndarray:
         """Which parameters' weight writes to take over (bool per parameter) from the latest readings; none by
         default."""
-        return np.zeros(len(schedule.keys), dtype=bool)
+        return np.zeros(len(ledger.keys), dtype=bool)
 
     def weights_foreseen(self, past_threshold: np.ndarray) -> np.ndarray:
         """Before any measurement: which parameters' weight writes to take over, from the share of their stored
@@ -101,18 +101,18 @@ class AutoRemedy(Remedy):
     def moments(self) -> tuple[str, ...]:  # type: ignore[override]
         return self.drift.moments
 
-    def choose(self, schedule: ResetSchedule) -> np.ndarray:
+    def choose(self, ledger: Ledger) -> np.ndarray:
         with np.errstate(invalid="ignore"):  # nan: not read yet, so no underflow evidence
-            guard = schedule.arrays["underflow"] > self.underflow_threshold
-        reset = self.drift.out_of_band(schedule.arrays["drift"], schedule.ages) & ~guard
+            guard = ledger.arrays["underflow"] > self.underflow_threshold
+        reset = self.drift.out_of_band(ledger.arrays["drift"], ledger.ages) & ~guard
         return np.where(guard, GUARD, np.where(reset, RESET, NONE))
 
     def describe_drift(self) -> str:
         return f"drifted out of [1/{self.drift.band:g}, {self.drift.band:g}] x its fp32 EMA"
 
-    def weights(self, schedule: ResetSchedule) -> np.ndarray:
+    def weights(self, ledger: Ledger) -> np.ndarray:
         with np.errstate(invalid="ignore"):  # nan: not read
-            return schedule.arrays["weight_stall"] > self.weight_stall
+            return ledger.arrays["weight_stall"] > self.weight_stall
 
     def weights_foreseen(self, past_threshold: np.ndarray) -> np.ndarray:
         with np.errstate(invalid="ignore"):

@@ -65,7 +65,7 @@ class StallEngine:
         self.params_per_step = params_per_step
         self.coverage_steps = coverage_steps
         self.seed = seed
-        self.units: list[TrackedParam] = []
+        self.tracked: list[TrackedParam] = []
         self.entries: dict[str, Entry] = {}
         self.version = 0  # bumped whenever the set of slots is rebuilt
         self.cursor = 0  # measured steps so far: picks the cohort
@@ -121,10 +121,10 @@ class StallEngine:
                 key = f"{unit.key}.{weight.key}"
                 entry = entries[key] = Entry(key, len(entries), unit, weight)
                 unit.entries.append(entry)
-        old_entries, self.entries, self.units = self.entries, entries, list(units.values())
+        old_entries, self.entries, self.tracked = self.entries, entries, list(units.values())
         self.counts.rebuild(entries)
         self._build_cohorts()
-        self.panel.rebuild(self.units, old_entries, fresh_state)
+        self.panel.rebuild(self.tracked, old_entries, fresh_state)
         self.version += 1
         return True
 
@@ -139,7 +139,7 @@ class StallEngine:
 
     def _build_cohorts(self) -> None:
         # Every unit, empty shards included: the cohort schedule must be the same on every rank.
-        units = self.units
+        units = self.tracked
         size = len(units) if self.exact else max(self.params_per_step, -(-len(units) // self.coverage_steps))
         self.cohorts = [units[i:i + size] for i in range(0, len(units), max(1, size))]
         self._batches = {}
@@ -185,7 +185,7 @@ class StallEngine:
         """Restart the drift shadows of the ``moments`` of the units at ``positions`` from their stored values (after
         a reset)."""
         for position in positions:
-            for entry in self.units[position].entries:
+            for entry in self.tracked[position].entries:
                 if entry.moment in moments:
                     self.panel.resync(entry)
 
@@ -217,7 +217,7 @@ class StallEngine:
         panel shadows it (drift * weight, weight) and, from ``recent`` counts, its v stored as zero and v counted, and
         its weight's stalled and counted elements. Parameters are the same on every rank whatever each shard holds, so
         these vectors add up across ranks."""
-        local = np.zeros((len(self.units), SIGNAL_COLUMNS))
+        local = np.zeros((len(self.tracked), SIGNAL_COLUMNS))
         for key, value in self.drift().items():
             entry = self.entries[key]
             if entry.moment == "v" and driver_slot(entry.unit.slots) is entry.slot:
@@ -234,11 +234,11 @@ class StallEngine:
         """(drift, underflow, weight stall) per parameter from :meth:`signals` summed across ranks: each parameter
         takes its driver group's drift (nan where the panel has none), its underflow fraction and its weight's stall
         fraction (nan where nothing was counted)."""
-        groups = {g: i for i, g in enumerate(dict.fromkeys(driver_group(u) for u in self.units))}
-        group_of = np.array([groups[driver_group(u)] for u in self.units], dtype=np.int64)
+        groups = {g: i for i, g in enumerate(dict.fromkeys(driver_group(u) for u in self.tracked))}
+        group_of = np.array([groups[driver_group(u)] for u in self.tracked], dtype=np.int64)
         drift = np.zeros((len(groups), 2))  # per driver group: sum of drift * weight, weight
         np.add.at(drift, group_of, values[:, :2])
-        underflow = np.full(len(self.units), np.nan)
+        underflow = np.full(len(self.tracked), np.nan)
         with np.errstate(invalid="ignore", divide="ignore"):
             group_drift = np.where(drift[:, 1] > 0, drift[:, 0] / drift[:, 1], np.nan)
             read = values[:, 3] > 0
@@ -271,7 +271,7 @@ class StallEngine:
         saving process's own samples and shards, so the monitor leaves them out where they are not this process's."""
         self.cursor = int(state["cursor"])
         self._n_state = -1
-        self.entries, self.units = {}, []
+        self.entries, self.tracked = {}, []
         self.counts.load_state_dict(state["totals"] if counts else {})
         self.panel.load_state_dict(state["shadows"] if shadows else {})
 

@@ -7,20 +7,20 @@ from collections import Counter
 
 from lightning_stale.adapters.layouts import BlockFp8Slot
 from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
-from lightning_stale.decide.ledger import ResetSchedule
+from lightning_stale.decide.ledger import Ledger
 from lightning_stale.decide.policies import ResetPolicy
 from lightning_stale.decide.remedies import Remedy
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.vocab import WEIGHT
 
 
-def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: ResetSchedule, pending: set[int],
+def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, ledger: Ledger, pending: set[int],
                      policy: ResetPolicy | None, remedy: Remedy | None, track_every: int, mixed: list[str]) -> str:
     """Formats (parameters and elements each), tracking, periods, and ``mixed``: the parameters whose low-precision
     state fell back to fp32 on some ranks only (optimizers apply their size threshold to the local shard)."""
     params: Counter[str] = Counter()
     elements: Counter[str] = Counter()
-    for unit in schedule.units:
+    for unit in ledger.rows:
         for slot in unit.slots:
             what = f"weights {slot.format}" if slot.moment == WEIGHT else f"{slot.moment} {slot.format} (beta={slot.beta})"
             params[what] += 1
@@ -36,11 +36,11 @@ def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, schedule: R
         lines.append(f"[lightning_stale] {len(mixed)} parameter(s) have low-precision states on some ranks and fp32 on "
                      f"others (the optimizer's size threshold applies to local shards): "
                      + ", ".join(mixed[:5]) + (" ..." if len(mixed) > 5 else ""))
-    waiting = {i for i in pending if schedule.units[i].rho is None}
-    periods = period_report(schedule, policy, exclude=waiting)
+    waiting = {i for i in pending if ledger.rows[i].rho is None}
+    periods = period_report(ledger, policy, exclude=waiting)
     if periods:
         lines.append(periods)
-    trapped = [u for u in schedule.units if any(zero_trapping(s) for s in u.slots)]
+    trapped = [u for u in ledger.rows if any(zero_trapping(s) for s in u.slots)]
     if policy is not None and "m" in policy.moments and trapped:
         lines.append(f"[lightning_stale] note: {len(trapped)} parameter(s) keep v in fp8 with one scale per tensor, "
                      "where a reset of both moments restarts v from zero and nearest rounding keeps its small lanes "
@@ -69,12 +69,12 @@ def weight_report(formats: list[str], past: list[float], stop_lrs: list[float], 
     return "\n".join(lines)
 
 
-def period_report(schedule: ResetSchedule, policy: ResetPolicy | None, exclude: set[int] | None = None,
+def period_report(ledger: Ledger, policy: ResetPolicy | None, exclude: set[int] | None = None,
                   only: set[int] | None = None, title: str = "reset periods") -> str:
     """One line counting the reset periods the policy chose (and why), over the parameters in ``only`` (default:
     all) less those in ``exclude``; empty without a policy."""
     periods: Counter[str] = Counter()
-    for unit in schedule.units:
+    for unit in ledger.rows:
         chosen = (only is None or unit.position in only) and unit.position not in (exclude or ())
         if policy is not None and chosen and unit.period_source:
             periods[f"{unit.period} ({unit.period_source})"] += 1

@@ -2,7 +2,7 @@
 
 Data flow per optimizer (an :class:`~lightning_stale.monitor.pipeline.OptimizerPipeline` each): optimizer state ->
 adapter (slots) -> :class:`~lightning_stale.measure.engine.StallEngine` (counts, in torch's optimizer step hooks) ->
-:class:`~lightning_stale.decide.ledger.ResetSchedule` (bookkeeping) and
+:class:`~lightning_stale.decide.ledger.Ledger` (bookkeeping) and
 :class:`~lightning_stale.decide.forecast.StallForecast` (the theory) -> the policy and the remedy (decide) ->
 :class:`~lightning_stale.act.interventions.Interventions` (act, in place). :meth:`StaleStateMonitor.compute` turns the
 counts into one row of metrics (:mod:`lightning_stale.monitor.metrics`).
@@ -123,9 +123,9 @@ class StaleStateMonitor:
         """The slots tracked for one optimizer (after its first step)."""
         return [e.slot for e in self._pipelines[optimizer_index].engine.entries.values()]
 
-    def units(self, optimizer_index: int = 0) -> list[LedgerRow]:
-        """The parameters of one optimizer as the reset policy sees them (ages, periods, reset counts)."""
-        return list(self._pipelines[optimizer_index].schedule.units)
+    def rows(self, optimizer_index: int = 0) -> list[LedgerRow]:
+        """The ledger rows of one optimizer's parameters as the reset policy sees them (ages, periods, resets)."""
+        return list(self._pipelines[optimizer_index].ledger.rows)
 
     def engines(self) -> list[StallEngine]:
         """The engine of each optimizer (its readouts: :meth:`StallEngine.tensors`, windows, drift)."""
@@ -134,13 +134,13 @@ class StaleStateMonitor:
     def resident_bytes(self) -> int:
         """Memory the monitor keeps between steps, for budgeting: every tensor and array of its components (the
         optimizer state it reads is not counted)."""
-        return sum(t.engine.resident_bytes() + t.forecast.resident_bytes() + t.schedule.resident_bytes()
+        return sum(t.engine.resident_bytes() + t.forecast.resident_bytes() + t.ledger.resident_bytes()
                    + t.interventions.resident_bytes() + (t.writeback.resident_bytes() if t.writeback else 0)
                    for t in self._pipelines)
 
     def reset_periods(self) -> dict[str, int | None]:
         """The reset period chosen for each parameter (by name), once its state exists."""
-        return {t.name(u): u.period for t in self._pipelines for u in t.schedule.units}
+        return {t.name(u): u.period for t in self._pipelines for u in t.ledger.rows}
 
     def add_reset_listener(self, listener: ResetListener) -> None:
         """Call ``listener(event)`` with a :class:`ResetEvent` after every reset (e.g. to re-warm a learning rate)."""
@@ -174,13 +174,13 @@ class StaleStateMonitor:
                         name = self._names(entry.unit.param, entry.unit.key, engine.prefix)
                         per_param[metrics.key(prefix, name, entry.slot.key, metrics.FRAC)] = \
                             row[metrics.STALLED] / row[metrics.COUNTED]
-        ages = np.concatenate([t.schedule.ages for t in self._pipelines])
+        ages = np.concatenate([t.ledger.ages for t in self._pipelines])
         betas = [e.slot.beta for t in self._pipelines for e in t.engine.entries.values()
                  if e.moment == "v" and e.slot.beta is not None]
         row = metrics.row(self._collective.sum(vector), prefix, self.reset_events,
                           float(ages.mean()) if ages.size else None, sum(betas) / len(betas) if betas else None)
         if self.remedy is not None and row:  # decisions are agreed across ranks: rank-local counts are global
-            chosen = np.concatenate([t.schedule.arrays["remedy"] for t in self._pipelines])
+            chosen = np.concatenate([t.ledger.arrays["remedy"] for t in self._pipelines])
             row.update(metrics.remedy_row(prefix, int((chosen == GUARD).sum()), int((chosen == STOCHASTIC).sum()),
                                           self.remedy_resets))
         writebacks = [t.writeback for t in self._pipelines if t.writeback is not None]

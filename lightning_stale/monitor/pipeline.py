@@ -1,5 +1,5 @@
 """OptimizerPipeline: one watched optimizer's components and its step, in data-flow order: count (engine), align the
-bookkeeping (schedule) and the theory (forecast), read the check-step signals, let the policy and the remedy decide,
+bookkeeping (ledger) and the theory (forecast), read the check-step signals, let the policy and the remedy decide,
 act (interventions). :class:`~lightning_stale.monitor.StaleStateMonitor` runs one per optimizer from torch's step
 hooks and turns their counts into metrics.
 """
@@ -18,7 +18,7 @@ from lightning_stale.act.weights import writeback_for
 from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.decide import weight_theory
 from lightning_stale.decide.forecast import StallForecast, to_host
-from lightning_stale.decide.ledger import LedgerRow, ResetSchedule, without_periods
+from lightning_stale.decide.ledger import Ledger, LedgerRow, without_periods
 from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.monitor.announcement import fit_start_report, period_report, weight_report
@@ -54,9 +54,9 @@ class OptimizerPipeline:
         self.engine = StallEngine(adapter, f"opt{index}", options.track == "exact", options.sample_size,
                                   options.params_per_step, max(1, coverage_steps // options.track_every), options.seed,
                                   readers)
-        self.schedule = ResetSchedule()
+        self.ledger = Ledger()
         self.forecast = StallForecast(collective, warn, self.name)
-        self.interventions = Interventions(adapter, self.engine, self.schedule, underflow_guard=options.underflow_guard,
+        self.interventions = Interventions(adapter, self.engine, self.ledger, underflow_guard=options.underflow_guard,
                                            warmup_steps=options.warmup_steps,
                                            exact_v_reset=options.v_reset == "exact-unbounded", listeners=listeners,
                                            name=self.name)
@@ -66,7 +66,7 @@ class OptimizerPipeline:
         self.auto_weights = self.writeback is not None and options.weights is None
         self._warn = warn
         self.steps = steps_taken  # real optimizer steps seen (restored from checkpoints)
-        self.adopted = -1  # the engine version whose units the schedule holds
+        self.adopted = -1  # the engine version whose units the ledger holds
         self.announced = False
         self.estimated: set[int] = set()  # positions given a grid estimate since the last period report
         self.foreseen: set[str] = set()  # keys of the parameters the remedy has judged from their rho-hat
@@ -98,12 +98,12 @@ class OptimizerPipeline:
         self.adopt(after_step=True)
         self.interventions.guard()
         waiting = [u.position for u in self.engine.measured_cohort
-                   if self.forecast.waiting(self.schedule.units[u.position])]
+                   if self.forecast.waiting(self.ledger.rows[u.position])]
         if waiting:  # a first estimate at the first measurement (one host read): predictions from the first window on
             self.estimate(waiting)
         if measured:
-            self.forecast.record(measured, self.schedule)
-        self.schedule.advance()
+            self.forecast.record(measured, self.ledger)
+        self.ledger.advance()
         if self.steps % self.check_every == 0:
             self.check()
         if self.policy is not None:
@@ -112,7 +112,7 @@ class OptimizerPipeline:
     def check(self) -> None:
         """A check step (every ``coverage_steps``): the grid estimates due; where something may reset or guard, the
         drift of every driver group and each parameter's v underflow since the last check, agreed across ranks (one
-        host read, one collective), into the schedule; reset parameters whose v still underflows stay guarded; then
+        host read, one collective), into the ledger; reset parameters whose v still underflows stay guarded; then
         the remedy acts."""
         due = self.forecast.due(self.steps // self.check_every)
         if due:
@@ -120,13 +120,13 @@ class OptimizerPipeline:
         if self.remedy is None and self.policy is None:
             return
         recent = self.engine.take_recent(RECENT_FOR_CHECKS)
-        self.schedule.set_signals(*self.engine.agreed_signals(self.collective.sum(self.engine.signals(recent))))
+        self.ledger.set_signals(*self.engine.agreed_signals(self.collective.sum(self.engine.signals(recent))))
         self.interventions.keep_guarding(self.check_every)
         if self.remedy is not None:
             self.interventions.apply_remedy(self.remedy, self.steps, self.check_every)
         if self.auto_weights:
-            rows = np.flatnonzero(self.remedy.weights(self.schedule) & (self.schedule.arrays["weights"] == 0))
-            why = [f"{self.schedule.units[i].weight_stall:.0%} of its sampled elements with a non-zero gradient did "
+            rows = np.flatnonzero(self.remedy.weights(self.ledger) & (self.ledger.arrays["weights"] == 0))
+            why = [f"{self.ledger.rows[i].weight_stall:.0%} of its sampled elements with a non-zero gradient did "
                    "not move since the last check" for i in rows]
             self.interventions.take_over_weights(self.writeback, rows, why, self.steps)
 
@@ -135,49 +135,49 @@ class OptimizerPipeline:
         if self.policy.needs_measurement and measured:
             recent = self.engine.take_recent(RECENT_FOR_POLICY)  # one host read per measured step
             for entry in (e for batch in measured for e in batch.entries):
-                unit = self.schedule.units[entry.unit.position]
+                unit = self.ledger.rows[entry.unit.position]
                 if unit.driver() is entry.slot:
                     stalled, counted, _ = recent[entry.row]
                     self.policy.observe(unit, stalled / counted if counted > 0 else math.nan)
-        due = self.policy.due(self.schedule, self.steps)
+        due = self.policy.due(self.ledger, self.steps)
         if self.policy.needs_sync and self.collective.active:
             due = self.collective.sum(due.astype(np.float64)) > 0
         if due.any():
-            units = [self.schedule.units[i] for i in np.flatnonzero(due)]
+            units = [self.ledger.rows[i] for i in np.flatnonzero(due)]
             self.interventions.reset(units, self.policy.moments, self.steps)
 
     # -- parameters appearing and their theory -----------------------------------------------------------------------
     def adopt(self, after_step: bool = False) -> None:
-        """Align the schedule and the forecast with the engine's units; let the policy choose the periods of the
+        """Align the ledger and the forecast with the engine's units; let the policy choose the periods of the
         parameters whose rho-hat is known; announce the optimizer at its first parameters.
 
         A parameter whose state existed before monitoring began (a checkpoint saved without the monitor) is as old as
         its optimizer step counter says; inside the post-step hook that counter already includes this step, which
-        the schedule adds next."""
+        the ledger adds next."""
         if self.adopted == self.engine.version:
             return
         self.adopted = self.engine.version
-        new = self.schedule.sync(self.engine.units, lambda unit: max(0, (self.adapter.steps_taken(unit.param) or 0)
+        new = self.ledger.sync(self.engine.tracked, lambda unit: max(0, (self.adapter.steps_taken(unit.param) or 0)
                                                                      - after_step))
         self.forecast.align(self.engine.entries)
-        self.forecast.adopt(self.schedule)
-        self.configure([u for u in self.schedule.units if u.period_source == "" and not self.forecast.waiting(u)])
+        self.forecast.adopt(self.ledger)
+        self.configure([u for u in self.ledger.rows if u.period_source == "" and not self.forecast.waiting(u)])
         if new and not self.announced:
             self.announced = True
             mixed = self.mixed_precision()  # a collective: every rank adopts at the same step
-            info(fit_start_report(self.adapter, self.engine, self.schedule, self.forecast.pending, self.policy,
+            info(fit_start_report(self.adapter, self.engine, self.ledger, self.forecast.pending, self.policy,
                                   self.remedy, self.options.track_every, mixed))
             self.foresee_weights()
         self.foresee()
 
     def estimate(self, positions: list[int]) -> None:
         """Grid estimates of the parameters at ``positions``; the periods, once every state has settled."""
-        changed = self.forecast.estimate(self.schedule, positions)
+        changed = self.forecast.estimate(self.ledger, positions)
         self.configure(changed)
         self.foresee()
         self.estimated.update(u.position for u in changed)
         if changed and not self.forecast.pending:
-            line = period_report(self.schedule, self.policy, only=self.estimated,
+            line = period_report(self.ledger, self.policy, only=self.estimated,
                                  title="reset periods from the settled grid estimates")
             if line:
                 info(line)
@@ -187,7 +187,7 @@ class OptimizerPipeline:
         """Let the remedy judge each parameter once, from its rho-hat, as soon as that is known."""
         if self.remedy is None:
             return
-        units = [u for u in self.schedule.units if u.key not in self.foreseen and u.rho is not None]
+        units = [u for u in self.ledger.rows if u.key not in self.foreseen and u.rho is not None]
         if units:
             self.foreseen.update(u.key for u in units)
             self.interventions.foresee(self.remedy, units, self.steps)
@@ -196,13 +196,13 @@ class OptimizerPipeline:
         """At the first parameters (every rank at the same step: a collective): per format of stored weights, the
         share past the threshold at the current lr and the lr below which they stop moving; with the automatic remedy,
         the write-back takes over the parameters whose share past the threshold calls for it."""
-        units = [u for u in self.schedule.units if any(s.moment == WEIGHT for s in u.slots)]
+        units = [u for u in self.ledger.rows if any(s.moment == WEIGHT for s in u.slots)]
         if not units:
             return
         lr_of = {id(p): float(self.writeback.real_lr(g) if self.writeback is not None else g["lr"])
                  for g in self.optimizer.param_groups for p in g["params"]}
         slots = [next(s for s in u.slots if s.moment == WEIGHT) for u in units]
-        samples = [self.engine.units[u.position].sample for u in units]
+        samples = [self.engine.tracked[u.position].sample for u in units]
         readings = to_host([weight_theory.threshold(s, sample, lr_of[id(u.param)])
                             for s, sample, u in zip(slots, samples, units)], width=3)
         past = self.collective.sum(readings[:, :2].reshape(-1)).reshape(-1, 2)  # agreed: decisions rest on it
@@ -211,7 +211,7 @@ class OptimizerPipeline:
         lr = lr_of[id(units[0].param)]
         info(weight_report([s.format for s in slots], share.tolist(), stop, lr))
         if self.auto_weights:
-            chosen = self.remedy.weights_foreseen(share) & (self.schedule.arrays["weights"][[u.position for u in units]]
+            chosen = self.remedy.weights_foreseen(share) & (self.ledger.arrays["weights"][[u.position for u in units]]
                                                             == 0)
             rows = np.array([u.position for u, c in zip(units, chosen) if c], dtype=np.int64)
             why = [f"{share[i]:.0%} of its weights are past the threshold at lr {lr_of[id(units[i].param)]:.3g}"
@@ -242,7 +242,7 @@ class OptimizerPipeline:
                 rows.append(entry.row)
             except Exception as error:  # a layout without sampled reads: no prediction for it
                 self._warn(f"weights:{unit.key}", f"lightning_stale: no weight-stall prediction for "
-                           f"{self.name(self.schedule.units[unit.position])!r} ({type(error).__name__}: {error})")
+                           f"{self.name(self.ledger.rows[unit.position])!r} ({type(error).__name__}: {error})")
         if sums:
             out[rows] = to_host(sums)
         return out
@@ -266,14 +266,14 @@ class OptimizerPipeline:
         """With several processes, the parameters whose low-precision state fell back to fp32 on some ranks only."""
         if not self.collective.active:
             return []
-        flags = [[float(any(s.format != "fp32" for s in u.slots)), 1.0] for u in self.schedule.units]
+        flags = [[float(any(s.format != "fp32" for s in u.slots)), 1.0] for u in self.ledger.rows]
         counts = self.collective.sum(np.array(flags, dtype=np.float64).reshape(-1, 2))
-        return [self.name(u) for u, (n_low, n) in zip(self.schedule.units, counts.tolist()) if 0 < n_low < n]
+        return [self.name(u) for u, (n_low, n) in zip(self.ledger.rows, counts.tolist()) if 0 < n_low < n]
 
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state = {"steps": self.steps, "engine": self.engine.state_dict(), "forecast": self.forecast.state_dict(),
-                 "schedule": self.schedule.state_dict(), "interventions": self.interventions.state_dict()}
+                 "schedule": self.ledger.state_dict(), "interventions": self.interventions.state_dict()}
         if self.writeback is not None:
             state["weights"] = self.writeback.state_dict()
         return state
@@ -284,7 +284,7 @@ class OptimizerPipeline:
         self.steps = int(state["steps"])
         self.engine.load_state_dict(state["engine"], counts=counts, shadows=shadows)
         self.forecast.load_state_dict(state["forecast"] if counts else {})
-        self.schedule.load_state_dict(state["schedule"] if periods else without_periods(state["schedule"]))
+        self.ledger.load_state_dict(state["schedule"] if periods else without_periods(state["schedule"]))
         self.interventions.load_state_dict(state["interventions"])
         if self.writeback is not None and "weights" in state:
             self.writeback.load_state_dict(state["weights"])
