@@ -18,7 +18,8 @@ in the same runs. At 160 tensors the model has 40 weights of 274 x 274 = 75,076 
 is 65,536): the 40-shape model of issue 23.
 
 The opt-in ``weights`` modes (with ``--precision bf16-true``) take the weight write over (``weights="stochastic"``,
-``"compensated"``, ``"stochastic+moments"``: torch.optim only). The write-back's own step hooks are timed too (their
+``"compensated"``, ``"stochastic+moments"``: torch.optim only). The write-back's own step hooks (and its write ahead of
+bitsandbytes' 8-bit update, inside the closure) are timed too (their
 mean per step as a share of the no-callback step: the direct cost), beside its A/B cost: the step ratio of the
 weights mode less the default mode's (which includes what the write-back saves, e.g. torch's update of the parameters
 whose moments it computes). ``--model demo`` trains the demo decoder of the long plan instead (dim 64, hidden 176,
@@ -173,7 +174,7 @@ class TimedCallback(StaleStateCallback):
         self.writeback: list[float] = []  # per batch
         self._update_start = 0.0
         self._guard_run = GuardPlan.run
-        self._writeback_hooks = WeightWriteBack._pre_hook, WeightWriteBack._post_hook
+        self._writeback_hooks = WeightWriteBack._pre_hook, WeightWriteBack._post_hook, WeightWriteBack._write_ahead
 
     def _timed(self, function, *args):
         start = clock()
@@ -188,9 +189,12 @@ class TimedCallback(StaleStateCallback):
         return out
 
     def on_train_start(self, trainer, pl_module):
-        pre, post = self._writeback_hooks  # the write-back registers its hooks when the monitor attaches, next
+        # the write-back registers its hooks when the monitor attaches, next; bitsandbytes' 8-bit weights are
+        # written between them, right after the closure
+        pre, post, ahead = self._writeback_hooks
         WeightWriteBack._pre_hook = lambda wb, *args: self._timed_writeback(pre, wb, *args)
         WeightWriteBack._post_hook = lambda wb, *args: self._timed_writeback(post, wb, *args)
+        WeightWriteBack._write_ahead = lambda wb: self._timed_writeback(ahead, wb)
         super().on_train_start(trainer, pl_module)
         before, after = OptimizerPipeline.before_step, OptimizerPipeline.after_step
 
@@ -212,7 +216,7 @@ class TimedCallback(StaleStateCallback):
 
     def on_train_end(self, trainer, pl_module):
         GuardPlan.run = self._guard_run
-        WeightWriteBack._pre_hook, WeightWriteBack._post_hook = self._writeback_hooks
+        WeightWriteBack._pre_hook, WeightWriteBack._post_hook, WeightWriteBack._write_ahead = self._writeback_hooks
         OptimizerPipeline.before_step, OptimizerPipeline.after_step = self._hooks
         super().on_train_end(trainer, pl_module)
 
