@@ -84,34 +84,6 @@ def test_auto_takes_over_stalling_weights_and_logs_it():
     assert opt.param_groups[0]["lr"] == 1e-5
 
 
-@pytest.mark.parametrize("buffers,rounding", [(True, "compensated"), (False, "stochastic")])
-def test_auto_on_an_optimizer_with_its_own_state_compensates_where_buffers_are_saved(buffers, rounding):
-    """bitsandbytes keeps its own (8-bit) moments: auto's weight write is compensated summation where the caller saves
-    the monitor's state (its buffers are counted in resident_bytes and saved), stochastic rounding where not (the
-    Hugging Face front-end)."""
-    bnb = pytest.importorskip("bitsandbytes")
-    model = _model()
-    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-5, min_8bit_size=256)
-    monitor = StaleStateMonitor(opt, remedy="auto", names=model, weight_buffers=buffers)
-    gen = torch.Generator().manual_seed(0)
-    start = [p.detach().clone() for p in model.parameters()]
-    for _ in range(30):
-        _step(model, opt, gen)
-    assert monitor.compute()["stale/remedy/weights"] == 4.0
-    writeback = monitor._pipelines[0].writeback
-    assert writeback.rounding == rounding
-    moved = sum(int((a != b).sum()) for a, b in zip(start, model.parameters()))
-    assert moved > 0.2 * sum(p.numel() for p in model.parameters())
-    held = 2 * sum(p.numel() for p in model.parameters()) if buffers else 0
-    assert writeback.resident_bytes() == held and monitor.resident_bytes() >= held
-    saved = monitor.state_dict()
-    monitor.close()
-    again = StaleStateMonitor(opt, remedy="auto", names=model, weight_buffers=buffers)
-    again.load_state_dict(saved)
-    assert again._pipelines[0].writeback.resident_bytes() == held  # the buffers come back with the state
-    again.close()
-
-
 def test_weights_choice_on_an_unsupported_optimizer_is_a_configuration_error():
     model = _model()
     with pytest.raises(ValueError, match="`weights`='stochastic'.*SGD"):

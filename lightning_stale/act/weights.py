@@ -823,16 +823,13 @@ def _fp32_update(weights: list[Tensor], ms: list[Tensor], vs: list[Tensor], entr
         torch._foreach_mul_(weights, decays)
 
 
-def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: bool,
-                  buffers: bool = True) -> WeightWriteBack | None:
+def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: bool) -> WeightWriteBack | None:
     """The write-back a monitor attaches for its ``weights`` option: that rounding on every parameter stored below
     fp32 (``"stochastic+moments"``: stochastic, with torch.optim's moments rounded stochastically too); with the
-    automatic remedy and no choice (``None``), on no parameter yet (the remedy chooses): on torch.optim, whose bf16
-    moments stall too, stochastic rounding of weights and moments; on optimizers that keep their own state
-    (bitsandbytes, QuantizedAdamW), compensated summation where the front-end saves its buffers (``buffers``) and the
-    parameters are not sharded, else stochastic rounding. None where no parameter is stored below fp32, where
-    ``weights="off"``, and where the automatic remedy meets an optimizer the write-back does not support (a
-    ``weights`` choice there is a configuration error)."""
+    automatic remedy and no choice (``None``), stochastic rounding, of torch.optim's moments too, on no parameter yet
+    (the remedy chooses). None where no parameter is stored below fp32, where ``weights="off"``, and where the
+    automatic remedy meets an optimizer the write-back does not support (a ``weights`` choice there is a configuration
+    error)."""
     params = [p for group in _unwrap(optimizer).param_groups for p in group["params"]]
     if weights == "off" or not any(p.dtype in LOW_PRECISION for p in params):
         return None
@@ -845,14 +842,8 @@ def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: b
             raise ValueError(f"`weights`={weights!r}: {error}") from error
     if auto:
         try:
-            if _family(_unwrap(optimizer)) == "torch":
-                return WeightWriteBack(optimizer, "stochastic", params=(), moments="stochastic")
-            if buffers:
-                try:
-                    return WeightWriteBack(optimizer, "compensated", params=())
-                except ValueError:  # sharded parameters: their buffers would not be saved
-                    pass
-            return WeightWriteBack(optimizer, "stochastic", params=())
+            own = _family(_unwrap(optimizer)) == "torch"
+            return WeightWriteBack(optimizer, "stochastic", params=(), moments="stochastic" if own else "optimizer")
         except ValueError:
             return None
     return None

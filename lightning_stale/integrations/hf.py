@@ -64,7 +64,7 @@ class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
         # The Trainer state is fresh (our state() at its creation: a second train() continues the counts) or, on
         # resume, the checkpoint's; transformers' own restore, if enabled, has set saved_state instead.
         saved = self.saved_state or _saved_attributes(state, type(self).__name__).get("saved_state")
-        self.monitor = StaleStateMonitor(optimizer, options=self.options, names=model, weight_buffers=False,
+        self.monitor = StaleStateMonitor(optimizer, options=self.options, names=model,
                                          coverage_steps=max(1, int(args.logging_steps)))
         if saved:
             self.monitor.load_state_dict(from_json(saved))

@@ -75,21 +75,18 @@ class StaleStateMonitor:
             and on which ``reset="drift"`` and the remedy read their signals (one host synchronisation each).
         options: a :class:`MonitorOptions`, or its fields as keyword arguments (``reset``, ``track``, ``remedy``,
             ...: documented there).
-        weight_buffers: whether the caller saves :meth:`state_dict` with its checkpoints, so that ``remedy="auto"``
-            may keep compensation buffers for bf16 weights (False: it rounds them stochastically, with no state).
     """
 
     def __init__(self, optimizers: object | Sequence[object], reset: Any = None, *,
                  names: nn.Module | Mapping[str, Tensor] | None = None, reduce: Reduce | None = None,
                  coverage_steps: int = 50, steps_taken: int = 0, options: MonitorOptions | None = None,
-                 weight_buffers: bool = True, **kwargs: Any) -> None:
+                 **kwargs: Any) -> None:
         if options is None:
             options = MonitorOptions.from_arguments("StaleStateMonitor", {"reset": reset, **kwargs})
         elif reset is not None or kwargs:
             raise ValueError("pass either `options` or individual options, not both")
         check_int("coverage_steps", coverage_steps)
         check_int("steps_taken", steps_taken, minimum=0)
-        self._weight_buffers = bool(weight_buffers)
         self.options, self.policy, self.remedy = options, options.policy, options.remedy_rule
         self._collective = Collective(reduce if reduce is not None else default_reduce())
         self._listeners: list[ResetListener] = []
@@ -254,8 +251,7 @@ class StaleStateMonitor:
     def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int) -> OptimizerPipeline:
         adapter = adapters.adapter_for(source, strict=self.options.strict)
         pipeline = OptimizerPipeline(adapter, index, self.options, self._collective, self._names,
-                                     self._notices.warn_once, self._listeners, coverage_steps, steps_taken,
-                                     self._weight_buffers)
+                                     self._notices.warn_once, self._listeners, coverage_steps, steps_taken)
         optimizer = adapter.optimizer
         self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._shielded(pipeline.before_step,
                                                                                         pipeline)))

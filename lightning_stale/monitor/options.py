@@ -74,9 +74,8 @@ class MonitorOptions:
             (a compensation buffer in the parameter's dtype, saved with the monitor), ``"stochastic+moments"``
             (torch.optim Adam/AdamW only: stochastic rounding, and the write-back also computes the step's moments,
             which torch keeps in the parameter's dtype, in fp32 and stores them with stochastic rounding), ``"off"``
-            (never), or ``None`` (default: off, unless ``remedy="auto"`` takes the write over where the weights stall:
-            on torch.optim ``"stochastic+moments"``, on optimizers that keep their own state ``"compensated"`` where
-            the front-end saves its buffers and the parameters are not sharded, else ``"stochastic"``).
+            (never), or ``None`` (default: off, unless ``remedy="auto"`` turns stochastic rounding on where the weights
+            stall, of torch.optim's moments too).
         drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"`` (default
             1.5).
         policy_args: arguments of a shortcut registered outside the package (with

@@ -45,7 +45,7 @@ class OptimizerPipeline:
 
     def __init__(self, adapter: OptimizerAdapter, index: int, options: MonitorOptions, collective: Collective,
                  names: ParamNames, warn: Callable[[str, str], None], listeners: list[ResetListener],
-                 coverage_steps: int, steps_taken: int, weight_buffers: bool = True) -> None:
+                 coverage_steps: int, steps_taken: int) -> None:
         self.adapter, self.options, self.collective, self._names = adapter, options, collective, names
         self.policy, self.remedy, self.check_every = options.policy, options.remedy_rule, coverage_steps
         acts = self.remedy is not None or self.policy is not None  # check steps read underflow (they may reset)
@@ -62,8 +62,7 @@ class OptimizerPipeline:
                                            name=self.name)
         # The weight write-back registers its step hooks before the monitor's: its lr switch comes first, and the
         # monitor counts the weights it wrote.
-        self.writeback = writeback_for(adapter.optimizer, options.weights, auto=self.remedy is not None,
-                                       buffers=weight_buffers)
+        self.writeback = writeback_for(adapter.optimizer, options.weights, auto=self.remedy is not None)
         self.auto_weights = self.writeback is not None and options.weights is None
         self._warn = warn
         self.steps = steps_taken  # real optimizer steps seen (restored from checkpoints)
