@@ -63,8 +63,8 @@ def hf_run(out: Path, kind: str, with_callback: bool = True, resume: str | None 
 
 @pytest.mark.parametrize("kind", ["bnb", "fp8", "bf16", "bnbbf16"])
 def test_hugging_face_resume_continues_the_callback_exactly(tmp_path, kind):
-    """bnbbf16: remedy="auto" on bitsandbytes over bf16 weights writes them with stochastic rounding here (no buffers
-    to save), so the resume is exact."""
+    """bnbbf16: remedy="auto" on bitsandbytes over bf16 weights: the write ahead of its update, with stochastic
+    rounding (no buffers to save), resumes exactly."""
     weights, resets, rows = hf_run(tmp_path / "full", kind)
     assert resets or rows[-1].get("stale/remedy/guard", 0) > 0 or rows[-1].get("stale/remedy/weights", 0) > 0
     saved = json.loads((tmp_path / "full" / "checkpoint-20" / "trainer_state.json").read_text())

@@ -68,10 +68,13 @@ def test_fp32_weights_are_not_measured_and_auto_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
 
 
-def test_auto_takes_over_stalling_weights_and_logs_it():
+def test_auto_takes_over_stalling_weights_and_logs_it(caplog):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # below every weight's half gap: nearest stalls them all
-    monitor = StaleStateMonitor(opt, remedy="auto", names=model)
+    with caplog.at_level("INFO"):
+        monitor = StaleStateMonitor(opt, remedy="auto", names=model)
+        _step(model, opt, torch.Generator().manual_seed(1))
+    assert "weight write-back with stochastic rounding of the weights and moments from step" in caplog.text
     gen = torch.Generator().manual_seed(0)
     start = [p.detach().clone() for p in model.parameters()]
     for _ in range(30):
@@ -82,6 +85,28 @@ def test_auto_takes_over_stalling_weights_and_logs_it():
     assert moved > 0.2 * sum(p.numel() for p in model.parameters())  # stochastic rounding moves them
     monitor.close()
     assert opt.param_groups[0]["lr"] == 1e-5
+
+
+def test_auto_on_bitsandbytes_rounds_weights_stochastically_with_no_state(caplog):
+    """bitsandbytes keeps its own (8-bit) moments: auto takes the weight write over with stochastic rounding (measured
+    as good as compensated summation in the long plan, without its 2 bytes per element)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    model = _model()
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-5, min_8bit_size=256)
+    with caplog.at_level("INFO"):
+        monitor = StaleStateMonitor(opt, remedy="auto", names=model)
+        _step(model, opt, torch.Generator().manual_seed(1))
+    assert "weight write-back with stochastic rounding from step" in caplog.text
+    gen = torch.Generator().manual_seed(0)
+    start = [p.detach().clone() for p in model.parameters()]
+    for _ in range(30):
+        _step(model, opt, gen)
+    assert monitor.compute()["stale/remedy/weights"] == 4.0
+    writeback = monitor._pipelines[0].writeback
+    assert (writeback.rounding, writeback.moments, writeback.resident_bytes()) == ("stochastic", "optimizer", 0)
+    moved = sum(int((a != b).sum()) for a, b in zip(start, model.parameters()))
+    assert moved > 0.2 * sum(p.numel() for p in model.parameters())
+    monitor.close()
 
 
 def test_weights_choice_on_an_unsupported_optimizer_is_a_configuration_error():
