@@ -68,45 +68,34 @@ def test_fp32_weights_are_not_measured_and_auto_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
 
 
-def test_auto_takes_over_stalling_weights_and_logs_it(caplog):
+@pytest.mark.parametrize(("family", "moments", "said"), [
+    ("torch", "stochastic", "stochastic rounding of the weights and moments from step"),
+    # bitsandbytes keeps its own (8-bit) moments: the weights alone, with stochastic rounding (measured as good as
+    # compensated summation in the long plan, without its 2 bytes per element)
+    ("bitsandbytes", "optimizer", "stochastic rounding from step"),
+])
+def test_auto_takes_over_stalling_weights_and_logs_it(caplog, family, moments, said):
     model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # below every weight's half gap: nearest stalls them all
+    if family == "torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # below every weight's half gap: nearest stalls them all
+    else:
+        opt = pytest.importorskip("bitsandbytes").optim.AdamW8bit(model.parameters(), lr=1e-5, min_8bit_size=256)
     with caplog.at_level("INFO"):
         monitor = StaleStateMonitor(opt, remedy="auto", names=model)
         _step(model, opt, torch.Generator().manual_seed(1))
-    assert "weight write-back with stochastic rounding of the weights and moments from step" in caplog.text
+    assert f"weight write-back with {said}" in caplog.text
     gen = torch.Generator().manual_seed(0)
     start = [p.detach().clone() for p in model.parameters()]
     for _ in range(30):
         _step(model, opt, gen)
     row = monitor.compute()
     assert row["stale/remedy/weights"] == 4.0  # every bf16 parameter, chosen at fit start from the threshold
+    writeback = monitor._pipelines[0].writeback
+    assert (writeback.rounding, writeback.moments, writeback.resident_bytes()) == ("stochastic", moments, 0)
     moved = sum(int((a != b).sum()) for a, b in zip(start, model.parameters()))
     assert moved > 0.2 * sum(p.numel() for p in model.parameters())  # stochastic rounding moves them
     monitor.close()
     assert opt.param_groups[0]["lr"] == 1e-5
-
-
-def test_auto_on_bitsandbytes_rounds_weights_stochastically_with_no_state(caplog):
-    """bitsandbytes keeps its own (8-bit) moments: auto takes the weight write over with stochastic rounding (measured
-    as good as compensated summation in the long plan, without its 2 bytes per element)."""
-    bnb = pytest.importorskip("bitsandbytes")
-    model = _model()
-    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-5, min_8bit_size=256)
-    with caplog.at_level("INFO"):
-        monitor = StaleStateMonitor(opt, remedy="auto", names=model)
-        _step(model, opt, torch.Generator().manual_seed(1))
-    assert "weight write-back with stochastic rounding from step" in caplog.text
-    gen = torch.Generator().manual_seed(0)
-    start = [p.detach().clone() for p in model.parameters()]
-    for _ in range(30):
-        _step(model, opt, gen)
-    assert monitor.compute()["stale/remedy/weights"] == 4.0
-    writeback = monitor._pipelines[0].writeback
-    assert (writeback.rounding, writeback.moments, writeback.resident_bytes()) == ("stochastic", "optimizer", 0)
-    moved = sum(int((a != b).sum()) for a, b in zip(start, model.parameters()))
-    assert moved > 0.2 * sum(p.numel() for p in model.parameters())
-    monitor.close()
 
 
 def test_weights_choice_on_an_unsupported_optimizer_is_a_configuration_error():
