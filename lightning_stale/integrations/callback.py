@@ -7,6 +7,7 @@ logs the monitor's row through the LightningModule logging path at the Trainer's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_stale import _compat
 from lightning_stale._compat import rank_zero_info
 from lightning_stale.act.interventions import ResetEvent, ResetListener
+from lightning_stale.decide.lr_outlook import UNKNOWN_LAST_STEP
 from lightning_stale.decide.policies import ResetPolicy
 from lightning_stale.decide.remedies import Remedy
 from lightning_stale.monitor import metrics
@@ -146,6 +148,10 @@ class StaleStateCallback(Callback):
             self._pending_state = None
         elif previous is not None and same_trainer:  # a later fit of the same Trainer goes on (a new one starts over)
             self.monitor.continue_from(previous)
+        for config in trainer.lr_scheduler_configs:  # the weights' fit-start report says when lr falls past them
+            if config.interval == "step" and not config.reduce_on_plateau and \
+                    self.monitor.watches(config.scheduler.optimizer):
+                self.monitor.follow_schedule(config.scheduler, _last_step(trainer), every=config.frequency)
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
         """Only Lightning Fabric calls this hook: this callback is the Trainer's front-end."""
@@ -184,6 +190,15 @@ class StaleStateCallback(Callback):
     def _detach(self) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+def _last_step(trainer: Trainer) -> int:
+    """The fit's last optimizer step: ``max_steps``, else Lightning's estimate (a large number where it has none)."""
+    try:
+        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        return int(total) if math.isfinite(total) else UNKNOWN_LAST_STEP
+    except Exception:  # no estimate (an unsized loader): the report's time budget bounds the look-ahead
+        return UNKNOWN_LAST_STEP
 
 
 def _require_trainer(trainer: object) -> None:

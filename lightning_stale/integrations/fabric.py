@@ -26,6 +26,7 @@ from lightning_stale import _compat
 from lightning_stale.adapters import unwrap
 from lightning_stale.monitor.monitor import StaleStateMonitor
 from lightning_stale.monitor.options import MonitorOptions
+from lightning_stale.vocab import check_int
 
 
 class StaleStateFabricCallback:
@@ -47,6 +48,7 @@ class StaleStateFabricCallback:
         self.steps = 0  # optimizer steps of the first optimizer (the logging clock)
         self._fabric = weakref.ref(fabric) if fabric is not None else None
         self._pending: list[dict[str, Any]] | None = None
+        self._schedules: list[tuple[Any, int, int]] = []  # followed by the monitors attached from now on
         self._foreign: weakref.WeakSet = weakref.WeakSet()  # optimizers stepped outside this callback's Fabric
         self._pre_step = register_optimizer_step_pre_hook(_first_step_hook(weakref.ref(self)))
         weakref.finalize(self, self._pre_step.remove)
@@ -69,6 +71,16 @@ class StaleStateFabricCallback:
             fabric = self.fabric or self._find(strategy)
             if fabric is not None and metrics:
                 fabric.log_dict(metrics, step=self.steps)
+
+    def follow_schedule(self, scheduler: Any, last_step: int, every: int = 1) -> None:
+        """Let the fit-start report of bf16 weights say from which step ``scheduler`` keeps the lr below where they
+        stop moving (:meth:`StaleStateMonitor.follow_schedule`); call it before the first step of its optimizer."""
+        check_int("last_step", last_step, minimum=0)
+        check_int("every", every)
+        self._schedules.append((scheduler, last_step, every))
+        for monitor in self.monitors.values():
+            if monitor.watches(getattr(scheduler, "optimizer", None)):
+                monitor.follow_schedule(scheduler, last_step, every)
 
     def compute(self) -> dict[str, float]:
         """One row for every optimizer (the second and later ones under ``<prefix>/opt<i>/``) of the steps since the
@@ -111,6 +123,9 @@ class StaleStateFabricCallback:
                                     coverage_steps=max(1, self.log_every_n_steps or 50), names=module)
         if self._pending:
             monitor.load_state_dict(self._pending.pop(0))
+        for scheduler, last_step, every in self._schedules:
+            if monitor.watches(getattr(scheduler, "optimizer", None)):
+                monitor.follow_schedule(scheduler, last_step, every)
         self.monitors[id(optimizer)] = monitor
         return monitor
 

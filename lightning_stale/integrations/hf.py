@@ -28,6 +28,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from lightning_stale._compat import hf_exportable_state
+from lightning_stale.decide.lr_outlook import UNKNOWN_LAST_STEP
 from lightning_stale.monitor.monitor import StaleStateMonitor
 from lightning_stale.monitor.options import MonitorOptions
 from lightning_stale.monitor.state import from_json, to_json
@@ -69,6 +70,11 @@ class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
         if saved:
             self.monitor.load_state_dict(from_json(saved))
         self.saved_state = None
+        scheduler = kwargs.get("lr_scheduler")  # stepped once per optimizer step, to state.max_steps
+        scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper, where there is one
+        if self.monitor.watches(getattr(scheduler, "optimizer", None)):
+            self.monitor.follow_schedule(scheduler, int(state.max_steps) if state.max_steps > 0 else
+                                         UNKNOWN_LAST_STEP)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                **kwargs: Any) -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from lightning_stale.adapters.layouts import BlockFp8Slot
 from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
 from lightning_stale.decide.ledger import Ledger
+from lightning_stale.decide.lr_outlook import below_from
 from lightning_stale.decide.policies import ResetPolicy
 from lightning_stale.decide.remedies import Remedy
 from lightning_stale.measure.engine import StallEngine
@@ -52,20 +55,26 @@ def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, ledger: Led
     return "\n".join(lines)
 
 
-def weight_report(formats: list[str], past: list[float], stop_lrs: list[float], lr: float) -> str:
+def weight_report(formats: list[str], past: list[float], stop_lrs: list[float], lr: float,
+                  path: np.ndarray | None = None, step: int = 0, every: int = 1) -> str:
     """One line per format of stored weights: the share of their sampled elements past the threshold at the current
     ``lr`` (an update of about lr rounds away) and the median learning rate below which a parameter's weights stop
-    moving (the median over parameters of each one's median half grid gap)."""
+    moving (the median over parameters of each one's median half grid gap); with their group's lr ``path`` from the
+    scheduler (item k: the lr of optimizer step ``step + k * every``), the step from which it stays below that."""
     lines = []
     for fmt in dict.fromkeys(formats):
         rows = [i for i, f in enumerate(formats) if f == fmt]
         share = sum(past[i] for i in rows) / len(rows)
         known = sorted(stop_lrs[i] for i in rows if stop_lrs[i] == stop_lrs[i])  # nan: an empty shard here
         stop = known[len(known) // 2] if known else float("nan")
-        lines.append(f"[lightning_stale] {fmt} weights ({len(rows)} parameter(s)): at lr {lr:.3g} {share:.0%} of "
-                     f"their elements are past the threshold where an update of about lr rounds away (nearest "
-                     f"rounding); a parameter's median weight stops moving below lr {stop:.3g} (median over "
-                     "parameters)")
+        line = (f"[lightning_stale] {fmt} weights ({len(rows)} parameter(s)): at lr {lr:.3g} {share:.0%} of "
+                f"their elements are past the threshold where an update of about lr rounds away (nearest "
+                f"rounding); a parameter's median weight stops moving below lr {stop:.3g} (median over parameters)")
+        if path is not None and stop == stop:
+            below = below_from(path, stop)
+            line += (f"; the lr schedule stays below it from step {step + below * every}" if below is not None else
+                     f"; the lr schedule is not below it by step {step + (len(path) - 1) * every}")
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -142,6 +142,22 @@ class StaleStateMonitor:
         """The reset period chosen for each parameter (by name), once its state exists."""
         return {t.name(u): u.period for t in self._pipelines for u in t.ledger.rows}
 
+    def watches(self, optimizer: object) -> bool:
+        """Whether ``optimizer`` (or a wrapper of it: Lightning's and Fabric's share its param groups) is watched."""
+        return self._pipeline_of(optimizer) is not None
+
+    def follow_schedule(self, scheduler: Any, last_step: int, every: int = 1) -> None:
+        """Let the fit-start report of stored weights say from which step ``scheduler`` (stepped once every ``every``
+        optimizer steps up to ``last_step``) keeps the lr below the one where each format's median weight stops
+        moving. The report runs the scheduler ahead and puts it back; one that needs a metric is not followed."""
+        check_int("last_step", last_step, minimum=0)
+        check_int("every", every)
+        pipeline = self._pipeline_of(getattr(scheduler, "optimizer", None))
+        if pipeline is None:
+            raise ValueError(f"`scheduler` ({type(scheduler).__name__}) must step one of the monitor's optimizers "
+                             f"({', '.join(type(t.optimizer).__name__ for t in self._pipelines)})")
+        pipeline.follow(scheduler, last_step, every)
+
     def add_reset_listener(self, listener: ResetListener) -> None:
         """Call ``listener(event)`` with a :class:`ResetEvent` after every reset (e.g. to re-warm a learning rate)."""
         self._listeners.append(listener)
@@ -259,6 +275,10 @@ class StaleStateMonitor:
                                                                                          pipeline)))
         self._handles.append(optimizer.register_load_state_dict_post_hook(lambda *_: pipeline.engine.invalidate()))
         return pipeline
+
+    def _pipeline_of(self, optimizer: object) -> OptimizerPipeline | None:
+        groups = getattr(optimizer, "param_groups", None)
+        return next((t for t in self._pipelines if groups is not None and t.optimizer.param_groups is groups), None)
 
     def _shielded(self, hook: Callable[[], None], pipeline: OptimizerPipeline) -> None:
         try:

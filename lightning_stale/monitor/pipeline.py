@@ -19,6 +19,7 @@ from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.decide import weight_theory
 from lightning_stale.decide.forecast import StallForecast, to_host
 from lightning_stale.decide.ledger import Ledger, LedgerRow, without_periods
+from lightning_stale.decide.lr_outlook import lr_path
 from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.monitor.announcement import fit_start_report, period_report, weight_report
@@ -68,6 +69,8 @@ class OptimizerPipeline:
         self.steps = steps_taken  # real optimizer steps seen (restored from checkpoints)
         self.adopted = -1  # the engine version whose units the ledger holds
         self.announced = False
+        # (lr scheduler, last step, optimizer steps per scheduler step) that the fit-start weight report follows
+        self.schedule: tuple[Any, int, int] | None = None
         self.estimated: set[int] = set()  # positions given a grid estimate since the last period report
         self.foreseen: set[str] = set()  # keys of the parameters the remedy has judged from their rho-hat
         self.adopt()
@@ -167,7 +170,7 @@ class OptimizerPipeline:
             mixed = self.mixed_precision()  # a collective: every rank adopts at the same step
             info(fit_start_report(self.adapter, self.engine, self.ledger, self.forecast.pending, self.policy,
                                   self.remedy, self.options.track_every, mixed))
-            self.foresee_weights()
+            self.foresee_weights(self.steps + (0 if after_step else 1))
         self.foresee()
 
     def estimate(self, positions: list[int]) -> None:
@@ -192,15 +195,21 @@ class OptimizerPipeline:
             self.foreseen.update(u.key for u in units)
             self.interventions.foresee(self.remedy, units, self.steps)
 
-    def foresee_weights(self) -> None:
+    def follow(self, scheduler: Any, last_step: int, every: int) -> None:
+        """Follow ``scheduler`` (stepped every ``every`` optimizer steps up to ``last_step``) in the weight report."""
+        self.schedule = (scheduler, last_step, every)
+
+    def foresee_weights(self, step: int) -> None:
         """At the first parameters (every rank at the same step: a collective): per format of stored weights, the
-        share past the threshold at the current lr and the lr below which they stop moving; with the automatic remedy,
-        the write-back takes over the parameters whose share past the threshold calls for it."""
+        share past the threshold at the current lr (that of optimizer step ``step``) and the lr below which they stop
+        moving, with the step where a followed lr schedule gets there; with the automatic remedy, the write-back takes
+        over the parameters whose share past the threshold calls for it."""
         units = [u for u in self.ledger.rows if any(s.moment == WEIGHT for s in u.slots)]
         if not units:
             return
-        lr_of = {id(p): float(self.writeback.real_lr(g) if self.writeback is not None else g["lr"])
-                 for g in self.optimizer.param_groups for p in g["params"]}
+        groups = self.optimizer.param_groups
+        real = [self.writeback.real_lr(g) if self.writeback is not None else g["lr"] for g in groups]
+        lr_of = {id(p): float(lr) for g, lr in zip(groups, real) for p in g["params"]}
         slots = [next(s for s in u.slots if s.moment == WEIGHT) for u in units]
         samples = [self.engine.tracked[u.position].sample for u in units]
         readings = to_host([weight_theory.threshold(s, sample, lr_of[id(u.param)])
@@ -209,7 +218,13 @@ class OptimizerPipeline:
         share = np.where(past[:, 1] > 0, past[:, 0] / np.maximum(past[:, 1], 1.0), np.nan)
         stop = readings[:, 2].tolist()  # this rank's, for the report only
         lr = lr_of[id(units[0].param)]
-        info(weight_report([s.format for s in slots], share.tolist(), stop, lr))
+        path, every = None, 1
+        if self.schedule is not None:
+            scheduler, last_step, every = self.schedule
+            path = lr_path(scheduler, -(-max(0, last_step - step) // every), real)
+            group = next(i for i, g in enumerate(groups) if any(p is units[0].param for p in g["params"]))
+            path = None if path is None else path[:, group]
+        info(weight_report([s.format for s in slots], share.tolist(), stop, lr, path, step, every))
         if self.auto_weights:
             chosen = self.remedy.weights_foreseen(share) & (self.ledger.arrays["weights"][[u.position for u in units]]
                                                             == 0)

@@ -1,0 +1,93 @@
+"""What a learning-rate scheduler will set: its lr over the coming steps, read by stepping the user's scheduler and
+putting back its state and its optimizer's hyperparameters, so that the weights' theory can say at which step the lr
+falls below the one where a format's weights stop moving (a schedule is code: running it is the only general way)."""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+UNKNOWN_LAST_STEP = 10**9  # a run whose length a front-end cannot know: the time budget bounds the look-ahead
+
+
+def _snapshot(groups: list[dict[str, Any]]) -> list[dict[str, tuple[Any, Any]]]:
+    """Each group's hyperparameters: the object and a copy of its value."""
+    return [{k: (v, v.clone() if isinstance(v, Tensor) else copy.copy(v)) for k, v in g.items() if k != "params"}
+            for g in groups]
+
+
+def _restore(groups: list[dict[str, Any]], saved: list[dict[str, tuple[Any, Any]]]) -> None:
+    """Put back every hyperparameter the scheduler may have set (lr, momentum or betas): the same objects, a tensor's
+    value written back in place (fused and capturable steps keep references to it)."""
+    for group, values in zip(groups, saved):
+        for key in [k for k in group if k != "params" and k not in values]:
+            del group[key]
+        for key, (obj, value) in values.items():
+            if isinstance(obj, Tensor):
+                obj.copy_(value)
+            group[key] = obj
+
+
+@torch.no_grad()
+def lr_path(scheduler: Any, steps: int, lrs: list[Any] | None = None, seconds: float = 0.5) -> np.ndarray | None:
+    """Each param group's lr over the next ``steps`` scheduler steps, an array (k + 1, groups) whose row 0 is the
+    current lr (``lrs`` where a step in progress holds other values in the groups); shorter where ``seconds`` run
+    out. A LambdaLR is read from its lambdas, any other scheduler is stepped and put back with its optimizer's
+    hyperparameters. None for a scheduler that needs a metric to step (ReduceLROnPlateau) or that fails."""
+    optimizer = getattr(scheduler, "optimizer", None)
+    if optimizer is None or not callable(getattr(scheduler, "state_dict", None)) \
+            or isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return None
+    groups = optimizer.param_groups
+    if type(scheduler) is torch.optim.lr_scheduler.LambdaLR:  # transformers' schedules: a closed form, not stepped
+        return _lambda_path(scheduler, steps, [float(lr) for lr in lrs] if lrs else [float(g["lr"]) for g in groups],
+                            seconds)
+    state, hyper = copy.deepcopy(scheduler.state_dict()), _snapshot(groups)
+    deadline = time.perf_counter() + seconds
+    try:
+        for group, lr in zip(groups, lrs or ()):
+            group["lr"] = lr.clone() if isinstance(lr, Tensor) else lr
+        rows = [[float(g["lr"]) for g in groups]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()" and the like
+            while len(rows) <= steps and time.perf_counter() < deadline:
+                scheduler.step()
+                rows.append([float(g["lr"]) for g in groups])
+    except Exception:  # a schedule that cannot run ahead is not known: the report leaves the step out
+        return None
+    finally:
+        scheduler.load_state_dict(state)
+        _restore(groups, hyper)
+    return np.asarray(rows, dtype=np.float64)
+
+
+def _lambda_path(scheduler: torch.optim.lr_scheduler.LambdaLR, steps: int, current: list[float],
+                 seconds: float) -> np.ndarray | None:
+    """LambdaLR's lrs ``base_lr * lr_lambda(epoch)`` for the coming epochs, row 0 the ``current`` ones."""
+    rows, start, bases = [current], scheduler.last_epoch, [float(base) for base in scheduler.base_lrs]
+    deadline = time.perf_counter() + seconds
+    try:
+        for epoch in range(start + 1, start + steps + 1):
+            rows.append([base * fn(epoch) for base, fn in zip(bases, scheduler.lr_lambdas)])
+            if epoch % 1024 == 0 and time.perf_counter() > deadline:
+                break
+    except Exception:  # a lambda that fails ahead of time: the schedule is not known
+        return None
+    return np.asarray(rows, dtype=np.float64)
+
+
+def below_from(path: np.ndarray, lr: float) -> int | None:
+    """The index of one group's lr ``path`` from which it stays below ``lr`` to its end (0: all along; after a
+    warm-up, the decay's crossing), None if its last value is not below."""
+    above = np.flatnonzero(path >= lr)
+    start = int(above[-1]) + 1 if above.size else 0
+    return start if start < len(path) else None
+
+
+__all__ = ["UNKNOWN_LAST_STEP", "below_from", "lr_path"]
