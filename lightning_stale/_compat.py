@@ -169,6 +169,43 @@ def register_first_step_post_hook(optimizer: Any, hook: Callable[..., None]) -> 
     return handle
 
 
+class StepErrorHook:
+    """Calls ``on_error()`` when ``optimizer.step`` raises, then lets the error propagate (torch runs no hook on an
+    error). Installed on the instance as a bound method, as torch's lr schedulers wrap ``step`` (their private
+    ``_wrapped_by_lr_sched`` marker is carried over, so a scheduler built earlier does not warn and one built later
+    wraps this one); :meth:`remove` restores the previous ``step``, or makes this one a pass-through where another
+    wrapper was installed over it since."""
+
+    def __init__(self, optimizer: Any, on_error: Callable[[], None]) -> None:
+        import types
+
+        self._optimizer, self._active = optimizer, True
+        self._own = optimizer.__dict__.get("step")  # an instance-level wrapper before this one, if any
+        previous = optimizer.step
+        hook = self
+
+        def step(opt: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return previous(*args, **kwargs)
+            except BaseException:
+                if hook._active:
+                    on_error()
+                raise
+
+        if hasattr(previous, "_wrapped_by_lr_sched"):
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self._method = types.MethodType(step, optimizer)
+        optimizer.step = self._method
+
+    def remove(self) -> None:
+        self._active = False
+        if self._optimizer.__dict__.get("step") is self._method:
+            if self._own is None:
+                del self._optimizer.step
+            else:
+                self._optimizer.step = self._own
+
+
 def unwrap_lightning_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper (its private ``_optimizer``; the public
     ``.optimizer`` property where that is gone), else ``optimizer`` itself."""

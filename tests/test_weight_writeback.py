@@ -140,6 +140,40 @@ def test_lr_restored_after_a_raising_closure_and_outside_steps():
     writeback.close()
 
 
+def test_lr_restored_after_an_error_in_the_optimizers_own_update():
+    """The closure returns, then torch's update raises (a sparse gradient): no post-step hook runs, and the group's
+    real lr is back before the error reaches the caller (schedulers and checkpoints in an ``except`` see it)."""
+    model = _model()
+    extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([*model.parameters(), extra], lr=LR)
+    writeback = WeightWriteBack(opt, "stochastic")
+    _step(model, opt, torch.randn(4, 64).bfloat16())
+    extra.grad = torch.zeros(3, dtype=torch.bfloat16).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert opt.param_groups[0]["lr"] == LR
+    writeback.close()
+    assert "step" not in opt.__dict__  # the instance-level wrapper is gone
+
+
+def test_the_error_hook_keeps_schedulers_built_before_and_after_it_working():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    before = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    writeback = WeightWriteBack(opt, "stochastic")
+    after = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=1.0)  # wraps the write-back's step in turn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither "overridden after initialization" nor "step before optimizer.step"
+        for _ in range(3):
+            _step(model, opt, torch.randn(4, 64).bfloat16())
+            before.step()
+            after.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(LR * 0.5 ** 3)
+    writeback.close()
+    _step(model, opt, torch.randn(4, 64).bfloat16())  # a pass-through now, under the later scheduler's wrapper
+    assert opt.param_groups[0]["lr"] == pytest.approx(LR * 0.5 ** 3)
+
+
 def test_skipped_step_leaves_weights_untouched():
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -441,8 +475,7 @@ def test_owned_moments_resume_bit_exactly_and_agree_across_ranks():
 def test_owned_moments_hooks_give_back_gradients_and_lr():
     """Other step hooks, registered before the write-back or after it, see the gradients (hidden from torch only
     inside its update) and the weights the write-back wrote, with a closure and without; a raising closure hides
-    nothing; an error inside torch's own update (after the closure) leaves the gradients hidden only until
-    ``close()``."""
+    nothing; an error inside torch's own update (after the closure) gives the gradients and the lr back at once."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     seen = []
@@ -469,7 +502,7 @@ def test_owned_moments_hooks_give_back_gradients_and_lr():
     extra.grad = torch.zeros(3, dtype=torch.bfloat16).to_sparse()  # torch's Adam refuses it after our hook ran
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step(lambda: None)
-    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads)) and opt.param_groups[0]["lr"] == LR
     writeback.close()
     assert all(p.grad is g for p, g in zip(model.parameters(), grads)) and opt.param_groups[0]["lr"] == LR
 

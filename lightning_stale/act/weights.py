@@ -342,6 +342,7 @@ class WeightWriteBack:
         self._handles = [
             self.optimizer.register_step_pre_hook(self._pre_hook),
             _compat.register_first_step_post_hook(self.optimizer, self._post_hook),
+            _compat.StepErrorHook(self.optimizer, self._after_error),  # a failed step leaves the lr as it was
         ]
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -423,20 +424,15 @@ class WeightWriteBack:
             self._check_bnb_overrides()
         owned = [(index, param) for index, _, _, param in handled if self._owns_moments(param)]
         ahead = self.family == "bnb"
-        # A closure that raises must not leave the lr at 0: wrap it so the lr is restored before the error propagates.
-        # Gradients are hidden and bitsandbytes' weights written in the closure too (one is given where there is
-        # none): after every pre-step hook, right before the optimizer's update. torch passes the step's own args, the
-        # optimizer first: the closure is args[1] or kwargs["closure"].
+        # Gradients are hidden and bitsandbytes' weights written in the closure (one is given where there is none):
+        # after every pre-step hook, right before the optimizer's update. torch passes the step's own args, the
+        # optimizer first: the closure is args[1] or kwargs["closure"]. An error restores the lr (StepErrorHook).
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is None and not owned and not ahead:
             return None
 
         def guarded() -> Any:
-            try:
-                loss = None if closure is None else closure()
-            except BaseException:
-                self._restore_lr()
-                raise
+            loss = None if closure is None else closure()
             self._hide_grads(owned)
             if ahead:
                 self._write_ahead()
@@ -445,6 +441,11 @@ class WeightWriteBack:
         if "closure" in kwargs or len(args) < 2:
             return args, {**kwargs, "closure": guarded}
         return (args[0], guarded, *args[2:]), kwargs
+
+    def _after_error(self) -> None:
+        """A step raised (its closure or the optimizer's own update): the real lr and the hidden gradients back."""
+        self._restore_lr()
+        self._give_back_grads()
 
     def _restore_lr(self) -> None:
         if self._saved_lrs is not None:
