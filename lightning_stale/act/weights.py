@@ -342,7 +342,7 @@ class WeightWriteBack:
         self._handles = [
             self.optimizer.register_step_pre_hook(self._pre_hook),
             _compat.register_first_step_post_hook(self.optimizer, self._post_hook),
-            _compat.StepErrorHook(self.optimizer, self._after_error),  # a failed step leaves the lr as it was
+            _compat.StepErrorHook(self.optimizer, self._undo_step),  # a failed step leaves the lr as it was
         ]
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -371,8 +371,7 @@ class WeightWriteBack:
 
     def close(self) -> None:
         """Remove the hooks (and restore the lr and the gradients, should a failed step have left them hidden)."""
-        self._restore_lr()
-        self._give_back_grads()
+        self._undo_step()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -407,8 +406,7 @@ class WeightWriteBack:
         """Zero the lr of the groups holding taken-over parameters and remember each one's step counter; once the
         gradients exist (after the closure, which runs inside the step), hide those of the parameters whose moments
         the write-back computes, and write bitsandbytes' 8-bit parameters ahead of its update."""
-        self._restore_lr()
-        self._give_back_grads()  # an earlier step raised between its closure and its end
+        self._undo_step()  # an earlier step failed where the error hook could not see it (its wrapper replaced)
         self._ahead = set()
         handled = self._handled()
         if not handled:
@@ -442,8 +440,9 @@ class WeightWriteBack:
             return args, {**kwargs, "closure": guarded}
         return (args[0], guarded, *args[2:]), kwargs
 
-    def _after_error(self) -> None:
-        """A step raised (its closure or the optimizer's own update): the real lr and the hidden gradients back."""
+    def _undo_step(self) -> None:
+        """The real lr and the hidden gradients back: after a step that raised (its closure or the optimizer's own
+        update), and on close."""
         self._restore_lr()
         self._give_back_grads()
 

@@ -79,8 +79,7 @@ class StaleStateFabricCallback:
         check_int("every", every)
         self._schedules.append((scheduler, last_step, every))
         for monitor in self.monitors.values():
-            if monitor.watches(getattr(scheduler, "optimizer", None)):
-                monitor.follow_schedule(scheduler, last_step, every)
+            self._follow(monitor, [(scheduler, last_step, every)])
 
     def compute(self) -> dict[str, float]:
         """One row for every optimizer (the second and later ones under ``<prefix>/opt<i>/``) of the steps since the
@@ -123,11 +122,16 @@ class StaleStateFabricCallback:
                                     coverage_steps=max(1, self.log_every_n_steps or 50), names=module)
         if self._pending:
             monitor.load_state_dict(self._pending.pop(0))
-        for scheduler, last_step, every in self._schedules:
-            if monitor.watches(getattr(scheduler, "optimizer", None)):
-                monitor.follow_schedule(scheduler, last_step, every)
+        self._follow(monitor, self._schedules)
         self.monitors[id(optimizer)] = monitor
         return monitor
+
+    @staticmethod
+    def _follow(monitor: StaleStateMonitor, schedules: list[tuple[Any, int, int]]) -> None:
+        """Let ``monitor`` follow those of ``schedules`` that step its optimizer."""
+        for scheduler, last_step, every in schedules:
+            if monitor.watches(getattr(scheduler, "optimizer", None)):
+                monitor.follow_schedule(scheduler, last_step, every)
 
     def _find(self, strategy: Any) -> Any:
         fabric = _compat.find_fabric(strategy)
