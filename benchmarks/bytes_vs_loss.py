@@ -21,6 +21,7 @@ from lightning_stale.demo.stats import PairedDifference
 ROWS = (  # configuration, words, weight + gradient bytes, write-back buffer bytes
     ("fp32", "fp32 weights, torch AdamW (`32-true`)", 4 + 4, 0),
     ("torchmixed", "`bf16-mixed`, torch AdamW (fp32 weights and states)", 4 + 4, 0),
+    ("torchmaster", "`bf16-true` compute, fp32 master weights and states (torch AdamW)", 2 + 2, 0),
     ("torchbf16", "`bf16-true`, torch AdamW (bf16 weights and states)", 2 + 2, 0),
     ("torchbf16+wsr", "  + `weights=\"stochastic\"`", 2 + 2, 0),
     ("torchbf16+wkahan", "  + `weights=\"compensated\"`", 2 + 2, 2),

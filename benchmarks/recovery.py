@@ -4,7 +4,8 @@ The paper's Table 5 protocol (fp32 compute, only the optimizer states stored in 
 and loop (:mod:`lightning_stale.demo`), over learning rates and seeds. Columns are state storages: fp32 (torch
 AdamW, the reference), bf16 / fp8 / fp4 / int8 (``QuantizedAdamW``), bnb8bit (bitsandbytes AdamW8bit), torchbf16
 (torch AdamW on bf16 parameters: bf16 weights and states), bnb8bitbf16 (bitsandbytes AdamW8bit on bf16 parameters:
-8-bit states, bf16 weights) and torchmixed (torch AdamW under bf16-mixed: bf16 compute, fp32 weights and states).
+8-bit states, bf16 weights), torchmixed (torch AdamW under bf16-mixed: bf16 compute, fp32 weights and states) and
+torchmaster (torch AdamW on fp32 master weights of a bf16-true model: bf16-true compute, nothing else rounded).
 Rows are remedies, each a ``StaleStateCallback`` setting: nearest (none), stochastic (rounding, ``QuantizedAdamW``
 only), guard (``underflow_guard=True``), theory / vonly (theory periods, both moments / v only) / adaptive /
 periodic / drift (``reset=...``; fp32's periodic cell is the control, every 300 steps), wsr / wkahan (the weight
@@ -47,7 +48,7 @@ from lightning_stale.demo.model import DecoderConfig
 from lightning_stale.demo.stats import PairedDifference
 from lightning_stale.demo.training import prepare_corpus, train_config
 
-COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed")
+COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed", "torchmaster")
 ROWS = ("nearest", "stochastic", "guard", "theory", "vonly", "adaptive", "periodic", "drift", "wsr", "wkahan", "wsrm",
         "auto")
 SUFFIX = {"nearest": "", "guard": "+guard", "theory": "+reset", "vonly": "+vreset", "adaptive": "+adaptive",
@@ -61,6 +62,8 @@ def cell_config(row: str, column: str) -> str | None:
     """The configuration name of a table cell, or None where the cell does not exist."""
     if column == "fp32":
         return {"nearest": "fp32", "periodic": "fp32+reset"}.get(row)
+    if column == "torchmaster":
+        return column if row == "nearest" else None
     if row == "stochastic":
         return None if column in NO_STOCHASTIC else f"{column}-sr"
     if (row in ("wsr", "wkahan") and column not in BF16_WEIGHTS) or (row == "wsrm" and column != "torchbf16"):
@@ -85,7 +88,9 @@ LONG = {"steps": 5000, "dim": 64, "hidden": 176, "lrs": [2e-3], "out": "out/reco
 LONG_PLAN = {c: tuple(r for r in ROWS if r != "periodic" and cell_config(r, c)) for c in COLUMNS if c != "fp32"}
 LONG_PLAN["fp32"] = ("nearest",)
 # bf16 weights (issue 27): the write-back's rows and auto against nearest; bf16-mixed is what bf16 compute alone costs
-LONG_PLAN.update({c: ("nearest", "wsr", "wkahan", "auto") for c in ("bnb8bitbf16",)}, torchmixed=("nearest",))
+# and torchmaster what bf16-true compute alone costs (the floor under any write of weights and states)
+LONG_PLAN.update({c: ("nearest", "wsr", "wkahan", "auto") for c in ("bnb8bitbf16",)}, torchmixed=("nearest",),
+                 torchmaster=("nearest",))
 
 
 

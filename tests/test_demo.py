@@ -228,3 +228,29 @@ def test_optimizer_spec_takes_one_format_per_moment():
         == "fp8_e4m3"
     with pytest.raises(ValueError, match="`state_format` must be one of"):
         OptimizerSpec(kind="quantized", state_format="fp4/fp6")
+
+
+def test_master_weight_adamw_is_torch_adamw_in_fp32_and_its_rounding_in_bf16() -> None:
+    """The bf16-compute control: on fp32 parameters it is torch AdamW bit for bit; on bf16 parameters each stored
+    weight is its fp32 master (which follows torch AdamW on the same gradients) rounded to nearest."""
+    from lightning_stale.demo.master import MasterWeightAdamW
+
+    torch.manual_seed(0)
+    start = torch.randn(64, 32)
+    grads = [torch.randn(64, 32) * 1e-2 for _ in range(20)]
+    kwargs = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    reference, fp32, bf16 = (torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone()),
+                             torch.nn.Parameter(start.to(torch.bfloat16)))
+    optimizers = [torch.optim.AdamW([reference], foreach=False, **kwargs), MasterWeightAdamW([fp32], **kwargs),
+                  MasterWeightAdamW([bf16], **kwargs)]
+    for grad in grads:
+        for param, optimizer in zip((reference, fp32, bf16), optimizers):
+            param.grad = grad.to(param.dtype)
+            optimizer.step()
+    assert torch.equal(fp32, reference)
+    master = optimizers[2].state[bf16]["master"]
+    assert master.dtype == torch.float32 and torch.equal(bf16, master.to(torch.bfloat16))
+    moved = (bf16.float() - start.to(torch.bfloat16).float()).abs()
+    assert (master - start).abs().max() > 0 and (moved > 0).any()
+    with pytest.raises(ValueError, match="amsgrad"):
+        MasterWeightAdamW([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)

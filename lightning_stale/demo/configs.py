@@ -64,7 +64,10 @@ STORAGES = {  # name: (optimizer kind, state format, Trainer precision, words)
     "bnb8bitbf16": ("bnb_adamw8bit", "fp32", "bf16-true",
                     "bitsandbytes AdamW8bit on bf16 parameters (8-bit states, bf16 weights, bf16-true)"),
     "torchmixed": ("adamw", "fp32", "bf16-mixed", "torch AdamW under bf16-mixed (bf16 compute; fp32 weights, states)"),
+    "torchmaster": ("adamw_master", "fp32", "bf16-true",
+                    "torch AdamW on fp32 master weights of a bf16-true model (bf16 compute; fp32 weights, states)"),
 }
+REFERENCES = ("fp32", "torchmaster")  # storages that round no weight or state: one configuration each, no remedy
 LOW_PRECISION_WEIGHTS = ("bf16-true",)  # the Trainer precisions whose weights a weight write-back can take over
 REMEDY_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words)
     "": ({}, ""),
@@ -89,8 +92,8 @@ def _build_configs() -> dict[str, RunConfig]:
     """Name every (storage, rounding, remedy) combination: ``<storage>[-sr][<remedy suffix>]``."""
     configs = {}
     for storage, (kind, state_format, precision, words) in STORAGES.items():
-        if storage == "fp32":
-            configs[storage] = RunConfig(storage, kind, description=words)
+        if storage in REFERENCES:
+            configs[storage] = RunConfig(storage, kind, precision=precision, description=words)
             continue
         roundings = ["nearest"] if kind != "quantized" else ["nearest", "stochastic"]
         low = precision in LOW_PRECISION_WEIGHTS

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_stale.vocab import check_choice, check_int, check_rounding
 
-OPTIMIZER_KINDS = ("adamw", "bnb_adamw8bit", "quantized")
+OPTIMIZER_KINDS = ("adamw", "adamw_master", "bnb_adamw8bit", "quantized")
 STATE_FORMATS = ("fp8_e4m3", "fp4", "bf16", "int8_dynamic", "fp32")
 
 
@@ -42,7 +42,8 @@ class DecoderConfig:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """Which AdamW to build: torch fp32 (``adamw``), bitsandbytes ``AdamW8bit``, or ``QuantizedAdamW``.
+    """Which AdamW to build: torch (``adamw``), torch's on fp32 master weights (``adamw_master``, the bf16-compute
+    control of :mod:`~lightning_stale.demo.master`), bitsandbytes ``AdamW8bit``, or ``QuantizedAdamW``.
 
     ``state_format`` and ``rounding`` apply to ``quantized`` only; ``state_format`` is one name for both moments or
     ``"<m format>/<v format>"`` (e.g. ``"fp32/fp4"``: fp4 second moment only). ``min_quantized_size`` is the smallest
@@ -74,6 +75,10 @@ class OptimizerSpec:
         common = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         if self.kind == "adamw":
             return torch.optim.AdamW(params, **common)
+        if self.kind == "adamw_master":
+            from lightning_stale.demo.master import MasterWeightAdamW
+
+            return MasterWeightAdamW(params, **common)
         if self.kind == "bnb_adamw8bit":
             import bitsandbytes as bnb
 
