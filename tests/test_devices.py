@@ -90,3 +90,47 @@ def test_quantized_adamw_with_the_monitor(compile, device):
     metrics = monitor.compute()
     assert 0.0 <= metrics["stale/v/frac"] <= 1.0 and monitor.reset_events == 2
     monitor.close()
+
+
+WRITEBACK_OPTIMIZERS = {
+    "torch_foreach": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, foreach=True),
+    "torch_fused": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, fused=True),
+    "bnb_8bit": lambda p: make_optimizer("bnb", p, lr=1e-3, min_8bit_size=256),
+    "quantized_fp8": lambda p: QuantizedAdamW(p, lr=1e-3, state_format="fp8_e4m3"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITEBACK_OPTIMIZERS))
+@pytest.mark.parametrize("weights", ["stochastic", "compensated"])
+def test_weight_writeback_on_the_device(name, weights, device):
+    """The write-back on bf16 weights on the device: weights, states and buffers stay there, updates stay near lr,
+    and (CUDA) a step with torch's foreach AdamW waits on the device nowhere (sync debug mode raises on a sync)."""
+    from lightning_stale.act.weights import WeightWriteBack
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 16)).to(device, torch.bfloat16)
+    opt = WRITEBACK_OPTIMIZERS[name](list(model.parameters()))
+    moments = "stochastic" if name.startswith("torch") and weights == "stochastic" else "optimizer"
+    writeback = WeightWriteBack(opt, weights, moments=moments)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(16, 64, generator=g).to(device, torch.bfloat16) for _ in range(6)]
+    for i, x in enumerate(batches):
+        nn.functional.mse_loss(model(x).float(), x[:, :16].float()).backward()
+        before = [p.detach().float().clone() for p in model.parameters()]
+        checked = device.type == "cuda" and name == "torch_foreach" and i >= 2  # after compiling, on a warm cache
+        if checked:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            if checked:
+                torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad()
+        worst = max(float((p.detach().float() - b).abs().max()) for p, b in zip(model.parameters(), before))
+        assert worst <= 10 * 1e-3 * (1 + 0.1), (name, weights, i, worst)
+    held = [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor) and t.dim()]
+    held += list(writeback.compensation.values())
+    assert held and all(t.device.type == device.type for t in held)
+    assert all(torch.isfinite(p).all() and p.dtype == torch.bfloat16 for p in model.parameters())
+    writeback.close()

@@ -411,8 +411,9 @@ class WeightWriteBack:
         handled = self._handled()
         if not handled:
             return None
-        self._steps_before = {index: self._step_count(param) for index, _, _, param in
-                              handled + self._group_mates(handled)}
+        every = handled + self._group_mates(handled)
+        self._steps_before = dict(zip((index for index, _, _, _ in every),
+                                      self._step_counts([param for _, _, _, param in every])))
         groups = {id(group): group for _, _, group, _ in handled}
         self._saved_lrs = [(group, group["lr"]) for group in groups.values()]
         for group in groups.values():
@@ -491,12 +492,16 @@ class WeightWriteBack:
         counters: list[Tensor] = []  # step counters of the parameters whose whole step is the write-back's
         handled = self._handled()
         mates = {index for index, _, _, _ in self._group_mates(handled)}
-        for index, position, group, param in handled + self._group_mates(handled):
-            before = self._steps_before.get(index)
-            if before is None or id(group) not in lrs or index in self._ahead:
-                continue
+        todo = [(index, position, group, param) for index, position, group, param in
+                handled + self._group_mates(handled)
+                if self._steps_before.get(index) is not None and id(group) in lrs and index not in self._ahead]
+        # the optimizer's counters after its step, where it kept them (one read for all; hidden ones did not move)
+        unhidden = [param for index, _, _, param in todo if index not in hidden]
+        after = dict(zip((id(p) for p in unhidden), self._step_counts(unhidden)))
+        for index, position, group, param in todo:
+            before = self._steps_before[index]
             grad = hidden.get(index)
-            step = before + 1 if grad is not None else self._step_count(param)
+            step = before + 1 if grad is not None else after[id(param)]
             if step != before + 1:  # skipped (no grad, GradScaler inf/nan): the weight stays as it is
                 continue
             entry = self._entry(index, position, group, param, lrs[id(group)], step, grad)
@@ -547,14 +552,21 @@ class WeightWriteBack:
     # ----------------------------------------------------------------------------------------------------------------
     # Reading the optimizer's state
 
-    def _step_count(self, param: Tensor) -> int:
-        """The optimizer's step counter of ``param`` (0 before its first step). Host-side for all supported
-        non-fused optimizers; torch's fused form keeps it on the parameter's device (one read per parameter)."""
-        state = self.optimizer.state.get(param)
-        if not state:
-            return 0
-        step = state["step_m"] if self.family == "quantized" else state["step"]
-        return int(step) if isinstance(step, int) else int(step.item())
+    def _step_counts(self, params: list[Tensor]) -> list[int]:
+        """The optimizer's step counter of each of ``params`` (0 before its first step). Host-side for all supported
+        non-fused optimizers; torch's fused and capturable forms keep them on the device: one read for all."""
+        steps: list[Any] = []
+        for param in params:
+            state = self.optimizer.state.get(param)
+            steps.append(0 if not state else state["step_m"] if self.family == "quantized" else state["step"])
+        by_device: dict[torch.device, list[int]] = defaultdict(list)
+        for i, step in enumerate(steps):
+            if isinstance(step, Tensor) and step.device.type != "cpu":
+                by_device[step.device].append(i)
+        for indices in by_device.values():
+            for i, value in zip(indices, torch.stack([steps[i].float() for i in indices]).tolist()):
+                steps[i] = value
+        return [int(step) for step in steps]
 
     def _entry(self, index: int, position: tuple[int, int], group: dict[str, Any], param: Tensor, lr: Any,
                step: int, grad: Tensor | None = None) -> _Entry:
@@ -687,7 +699,7 @@ class WeightWriteBack:
         round_weights, round_moments = self.rounding == "stochastic", own and self.moments == "stochastic"
         device = params[0].device
         counter = _counters(batch, self.seed, device) if round_weights or round_moments else None
-        hyper = torch.tensor(batch[0][0].hyper(), dtype=torch.float32, device=device)
+        hyper = _device_scalars(batch[0][0].hyper(), device)
         weight, m, v = _run_fused_write(_gather(params, sizes), _gather(ms, sizes), _gather(vs, sizes), grad, counter,
                                         hyper, params[0].dtype, round_weights, round_moments)
         _scatter(params, weight, sizes)
@@ -734,6 +746,19 @@ class WeightWriteBack:
     def resident_bytes(self) -> int:
         """Bytes the write-back keeps between steps (the compensation buffers)."""
         return sum(b.numel() * b.element_size() for b in self.compensation.values())
+
+
+def _device_scalars(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """``values`` as an fp32 tensor on ``device`` without waiting for it: a plain host-to-device copy blocks the
+    host until the device's queue has drained, a copy from pinned memory does not (the caching host allocator keeps
+    the pinned block until the copy is done)."""
+    host = torch.tensor(values, dtype=torch.float32)
+    if device.type == "cpu":
+        return host
+    try:
+        return host.pin_memory().to(device, non_blocking=True)
+    except RuntimeError:  # no pinned memory for this device's backend: the blocking copy
+        return host.to(device)
 
 
 def _counters(batch: list[tuple[_Entry, int, int]], seed: int, device: torch.device) -> Tensor:
