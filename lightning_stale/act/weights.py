@@ -223,7 +223,8 @@ class _Entry:
 def _flat_range(tensor: Tensor, start: int, stop: int) -> Tensor:
     """Flat elements ``[start, stop)`` of ``tensor`` as a view; a non-contiguous tensor is only ever taken whole."""
     if tensor.is_contiguous():
-        return tensor.view(-1)[start:stop]
+        flat = tensor.view(-1)
+        return flat if start == 0 and stop == flat.numel() else flat[start:stop]
     if (start, stop) != (0, tensor.numel()):
         raise ValueError("a non-contiguous tensor is written whole")
     return tensor
@@ -774,8 +775,8 @@ def _counters(batch: list[tuple[_Entry, int, int]], seed: int, device: torch.dev
 
 
 def _views(flat: Tensor, like: list[Tensor], sizes: list[int]) -> list[Tensor]:
-    """The consecutive ranges of ``flat`` (``sizes`` elements each) shaped like ``like``."""
-    return [part.view(t.shape) for part, t in zip(flat.split(sizes), like)]
+    """The consecutive ranges of ``flat`` (``sizes`` elements each) shaped like ``like`` (flat ranges as they are)."""
+    return [part if t.dim() == 1 else part.view(t.shape) for part, t in zip(flat.split(sizes), like)]
 
 
 def _gather(tensors: list[Tensor], sizes: list[int]) -> Tensor:
