@@ -26,6 +26,7 @@ Runs are independent single-thread processes (``--workers``, default 2: both cor
     python benchmarks/recovery.py --plan long --resume  # whole runs, every remedy on every storage (hours)
     python benchmarks/recovery.py --lrs 4e-3 --columns fp32,fp8 --rows nearest,guard,auto --seeds 0
     python benchmarks/recovery.py --summarize-only      # rebuild the tables from OUT/runs.json
+    python benchmarks/recovery.py --plan long --summarize-only --out A --include B,C --against torchmaster
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ PLAN: dict[float, dict[str, tuple[str, ...]]] = {
 LONG = {"steps": 5000, "dim": 64, "hidden": 176, "lrs": [2e-3], "out": "out/recovery-long"}
 LONG_PLAN = {c: tuple(r for r in ROWS if r != "periodic" and cell_config(r, c)) for c in COLUMNS if c != "fp32"}
 LONG_PLAN["fp32"] = ("nearest",)
-# bf16 weights (issue 27): the write-back's rows and auto against nearest; bf16-mixed is what bf16 compute alone costs
-# and torchmaster what bf16-true compute alone costs (the floor under any write of weights and states)
+# bf16 weights (issue 27): the write-back's rows and auto against nearest; bf16-mixed is what autocast's bf16 compute
+# costs, torchmaster what bf16-true compute costs (the floor under any write of weights and states)
 LONG_PLAN.update({c: ("nearest", "wsr", "wkahan", "auto") for c in ("bnb8bitbf16",)}, torchmixed=("nearest",),
                  torchmaster=("nearest",))
 
@@ -125,8 +126,9 @@ def _fmt(value: float, spec: str) -> str:
     return "-" if value is None or math.isnan(value) else format(value, spec)
 
 
-def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) -> str:
-    """Markdown for one learning rate: the grid, the gaps per column, and every configuration against its baseline."""
+def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]], against: str | None = None) -> str:
+    """Markdown for one learning rate: the grid, the gaps per column, and every configuration against its baseline
+    (and against the configuration ``against`` too, paired by seed, where given)."""
     by_name: dict[str, dict[int, dict]] = {}
     for run in runs:
         if math.isclose(run["lr"], lr):
@@ -163,8 +165,9 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
             gaps[column] = gap.mean
         lines.append(f"| {column} | {gap} | {gap.n} | {'yes' if gap.significant else 'no'} |")
     lines += ["", "| configuration | change vs its baseline, paired, [95% interval] | significant | recovered | "
-                  "vs fp32, paired [95%] | v stall | v underflow | v drift (end) | w stall | resets | "
-                  "auto: guarded, SR, resets, weights |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "vs fp32, paired [95%] | " + (f"vs {against}, paired [95%] | " if against else "") +
+              "v stall | v underflow | v drift (end) | w stall | resets | auto: guarded, SR, resets, weights |",
+              "|---" * (11 + bool(against)) + "|"]
     for column in columns:
         for row in rows:
             name = cell_config(row, column)
@@ -181,6 +184,7 @@ def summarize(runs: list[dict], lr: float, cells: dict[str, tuple[str, ...]]) ->
                 f"| {name} | {change} | {'yes' if change.significant else ('no' if change.n > 1 else '-')} | "
                 f"{_fmt(100 * share, '.0f') + ('%' if not math.isnan(share) else '')} | "
                 f"{paired(name, 'fp32') if name != 'fp32' else '-'} | "
+                + (f"{paired(name, against) if name != against else '-'} | " if against else "") +
                 f"{_fmt(signal(name, 'v_frac'), '.3f')} | {_fmt(signal(name, 'v_underflow'), '.4f')} | "
                 f"{_fmt(signal(name, 'v_drift'), '.2f')} | {_fmt(signal(name, 'w_frac'), '.3f')} | "
                 f"{_fmt(signal(name, 'resets'), '.1f')} | {remedy} |")
@@ -259,6 +263,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="keep the runs already in OUT/runs.json (same settings) and train only the missing ones")
     parser.add_argument("--summarize-only", action="store_true",
                         help="train nothing; rebuild the tables from the runs already saved in OUT/runs.json")
+    parser.add_argument("--include", default="",
+                        help="with --summarize-only: comma-separated folders whose runs.json join OUT's (a run of the "
+                             "same configuration, lr and seed counts once, OUT's first)")
+    parser.add_argument("--against", default=None,
+                        help="one more reference configuration (e.g. torchmaster): every configuration paired with "
+                             "it by seed")
     args = parser.parse_args(argv)
     for name, allowed in (("columns", COLUMNS), ("rows", ROWS)):
         chosen = [x for x in getattr(args, name).split(",") if x]
@@ -266,6 +276,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if bad:
             parser.error(f"--{name} must be a comma list of {allowed}, got {getattr(args, name)!r}")
         setattr(args, name, chosen)
+    if args.against is not None and args.against not in CONFIGS:
+        parser.error(f"--against must name a configuration ({', '.join(CONFIGS)}), got {args.against!r}")
     defaults = LONG if args.plan == "long" else {"steps": 600, "dim": 128, "hidden": 352, "lrs": [4e-3, 2e-3],
                                                   "out": "out/recovery"}
     for name, value in defaults.items():
@@ -291,6 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     runs = saved_runs(saved, corpus.sha256) if args.summarize_only else _train_all(args, base, cells, out,
                                                                                      corpus.sha256)
+    if args.summarize_only:
+        seen = {(r["name"], r["lr"], r["seed"]) for r in runs}
+        for folder in [f for f in args.include.split(",") if f]:
+            for run in saved_runs(Path(folder) / "runs.json", corpus.sha256):
+                if (run["name"], run["lr"], run["seed"]) not in seen:
+                    seen.add((run["name"], run["lr"], run["seed"]))
+                    runs.append(run)
     minutes = (time.perf_counter() - start) / 60
     command = "python benchmarks/recovery.py " + " ".join(sys.argv[1:] if argv is None else argv)
     header = (f"{args.steps} steps, beta2 {args.beta2}, warm-up 10% then cosine to 10%, model dim {args.dim} x "
@@ -299,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                f" in {minutes:.1f} min") +
               f".\nCorpus: {corpus}; CPU kernels: "
               f"{', '.join(sorted({r.get('cpu_kernels', '?') for r in runs}))}.\n`{command.strip()}`" + (" (tables rebuilt from the saved runs)" if args.summarize_only else ""))
-    text = header + "\n\n" + "\n\n".join(summarize(runs, lr, columns) for lr, columns in cells.items())
+    text = header + "\n\n" + "\n\n".join(summarize(runs, lr, columns, args.against) for lr, columns in cells.items())
     (out / "recovery.md").write_text(text + "\n")
     print(text)
     print(f"\nwritten: {out / 'recovery.md'}, {saved}")
