@@ -5,7 +5,9 @@ and loop (:mod:`lightning_stale.demo`), over learning rates and seeds. Columns a
 AdamW, the reference), bf16 / fp8 / fp4 / int8 (``QuantizedAdamW``), bnb8bit (bitsandbytes AdamW8bit), torchbf16
 (torch AdamW on bf16 parameters: bf16 weights and states), bnb8bitbf16 (bitsandbytes AdamW8bit on bf16 parameters:
 8-bit states, bf16 weights), torchmixed (torch AdamW under bf16-mixed: bf16 compute, fp32 weights and states) and
-torchmaster (torch AdamW on fp32 master weights of a bf16-true model: bf16-true compute, nothing else rounded).
+torchmaster (torch AdamW on fp32 master weights of a bf16-true model: bf16-true compute, nothing else rounded),
+torchsrw / torchsrs (the same with the weights / the moments stored in bf16 with stochastic rounding: what each
+part's rounding noise costs).
 Rows are remedies, each a ``StaleStateCallback`` setting: nearest (none), stochastic (rounding, ``QuantizedAdamW``
 only), guard (``underflow_guard=True``), theory / vonly (theory periods, both moments / v only) / adaptive /
 periodic / drift (``reset=...``; fp32's periodic cell is the control, every 300 steps), wsr / wkahan (the weight
@@ -49,7 +51,9 @@ from lightning_stale.demo.model import DecoderConfig
 from lightning_stale.demo.stats import PairedDifference
 from lightning_stale.demo.training import prepare_corpus, train_config
 
-COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed", "torchmaster")
+COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed", "torchmaster",
+           "torchsrw", "torchsrs")
+CONTROLS = ("torchmaster", "torchsrw", "torchsrs")  # bf16-true controls, one (nearest) cell each
 ROWS = ("nearest", "stochastic", "guard", "theory", "vonly", "adaptive", "periodic", "drift", "wsr", "wkahan", "wsrm",
         "auto")
 SUFFIX = {"nearest": "", "guard": "+guard", "theory": "+reset", "vonly": "+vreset", "adaptive": "+adaptive",
@@ -63,7 +67,7 @@ def cell_config(row: str, column: str) -> str | None:
     """The configuration name of a table cell, or None where the cell does not exist."""
     if column == "fp32":
         return {"nearest": "fp32", "periodic": "fp32+reset"}.get(row)
-    if column == "torchmaster":
+    if column in CONTROLS:
         return column if row == "nearest" else None
     if row == "stochastic":
         return None if column in NO_STOCHASTIC else f"{column}-sr"
@@ -91,7 +95,7 @@ LONG_PLAN["fp32"] = ("nearest",)
 # bf16 weights (issue 27): the write-back's rows and auto against nearest; bf16-mixed is what autocast's bf16 compute
 # costs, torchmaster what bf16-true compute costs (the floor under any write of weights and states)
 LONG_PLAN.update({c: ("nearest", "wsr", "wkahan", "auto") for c in ("bnb8bitbf16",)}, torchmixed=("nearest",),
-                 torchmaster=("nearest",))
+                 **{c: ("nearest",) for c in CONTROLS})
 
 
 

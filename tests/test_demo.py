@@ -254,3 +254,29 @@ def test_master_weight_adamw_is_torch_adamw_in_fp32_and_its_rounding_in_bf16() -
     assert (master - start).abs().max() > 0 and (moved > 0).any()
     with pytest.raises(ValueError, match="amsgrad"):
         MasterWeightAdamW([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)
+
+
+def test_master_weight_adamw_stochastic_storages_follow_the_fp32_run_on_average() -> None:
+    """Weights (or moments) stored in bf16 with stochastic rounding: no fp32 copy kept, and updates far below the
+    bf16 grid gap still move the weights as the all-fp32 run does on average, where nearest rounding stalls them."""
+    from lightning_stale.demo.master import MasterWeightAdamW
+
+    start = torch.ones(4096)
+    kwargs = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # update ~1e-4, grid gap at 1: 2^-7
+    runs = {}
+    for weights, moments in (("fp32", "fp32"), ("stochastic", "fp32"), ("fp32", "stochastic")):
+        param = torch.nn.Parameter(start.to(torch.bfloat16))
+        optimizer = MasterWeightAdamW([param], weights=weights, moments=moments, **kwargs)
+        for _ in range(50):
+            param.grad = torch.ones_like(param)
+            optimizer.step()
+        state = optimizer.state[param]
+        assert ("master" in state) == (weights == "fp32")
+        assert state["exp_avg"].dtype == (torch.float32 if moments == "fp32" else torch.bfloat16)
+        runs[weights, moments] = state.get("master", param.detach().float())
+    exact = runs["fp32", "fp32"]
+    assert abs(float(exact.mean()) - (1 - 50e-4)) < 1e-4
+    assert abs(float(runs["stochastic", "fp32"].mean() - exact.mean())) < 2e-4
+    assert abs(float(runs["fp32", "stochastic"].mean() - exact.mean())) < 2e-4
+    with pytest.raises(ValueError, match="weights"):
+        MasterWeightAdamW([torch.nn.Parameter(torch.zeros(2))], weights="nearest")

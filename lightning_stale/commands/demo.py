@@ -12,7 +12,7 @@ DEFAULT_CONFIGS = "fp32,fp8,fp8+reset,fp8+auto"
 _REMEDY_SUFFIXES = ("", "+reset", "+vreset", "+adaptive", "+periodic", "+drift", "+guard", "+auto")
 _WEIGHT_SUFFIXES = ("+wsr", "+wkahan")
 AVAILABLE_CONFIGS = ", ".join(
-    ["fp32", "fp32+reset", "torchmaster", *(f"{s}{x}" for s in ("bnb8bit", "torchmixed") for x in _REMEDY_SUFFIXES),
+    ["fp32", "fp32+reset", "torchmaster", "torchsrw", "torchsrs", *(f"{s}{x}" for s in ("bnb8bit", "torchmixed") for x in _REMEDY_SUFFIXES),
      *(f"{s}{x}" for s in ("torchbf16", "bnb8bitbf16") for x in _REMEDY_SUFFIXES + _WEIGHT_SUFFIXES),
      "torchbf16+wsrm"]
     + [f"{s}{r}{x}" for s in ("bf16", "fp8", "fp4", "int8") for r in ("", "-sr") for x in _REMEDY_SUFFIXES]
@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated configurations (default: {DEFAULT_CONFIGS}). Available: {AVAILABLE_CONFIGS}. "
         "fp32 is torch AdamW, bnb8bit bitsandbytes AdamW8bit, torchbf16 torch AdamW on bf16 parameters (bf16-true), "
         "bnb8bitbf16 bitsandbytes AdamW8bit on bf16 parameters, torchmixed torch AdamW under bf16-mixed, "
-        "torchmaster torch AdamW on fp32 master weights of a bf16-true model, "
+        "torchmaster torch AdamW on fp32 master weights of a bf16-true model (torchsrw / torchsrs: weights / states "
+        "in bf16 with stochastic rounding instead), "
         "the others QuantizedAdamW with that state format; -sr: stochastic rounding; +reset: "
         "StaleStateCallback(reset='theory') (fp32+reset: periodic, every 300); +vreset: theory resets of v only; "
         "+adaptive/+drift: reset='adaptive'/'drift'; +periodic: every 300; +guard: underflow_guard=True; "

@@ -66,8 +66,14 @@ STORAGES = {  # name: (optimizer kind, state format, Trainer precision, words)
     "torchmixed": ("adamw", "fp32", "bf16-mixed", "torch AdamW under bf16-mixed (bf16 compute; fp32 weights, states)"),
     "torchmaster": ("adamw_master", "fp32", "bf16-true",
                     "torch AdamW on fp32 master weights of a bf16-true model (bf16 compute; fp32 weights, states)"),
+    "torchsrw": ("adamw_master_srw", "fp32", "bf16-true",
+                 "torch AdamW's math in fp32 on a bf16-true model, bf16 weights rounded stochastically, fp32 states"),
+    "torchsrs": ("adamw_master_srs", "fp32", "bf16-true",
+                 "torch AdamW's math in fp32 on fp32 master weights of a bf16-true model, bf16 states rounded "
+                 "stochastically"),
 }
-REFERENCES = ("fp32", "torchmaster")  # storages that round no weight or state: one configuration each, no remedy
+# storages without remedies, one configuration each: fp32 and the controls of what bf16's parts cost
+REFERENCES = ("fp32", "torchmaster", "torchsrw", "torchsrs")
 LOW_PRECISION_WEIGHTS = ("bf16-true",)  # the Trainer precisions whose weights a weight write-back can take over
 REMEDY_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words)
     "": ({}, ""),

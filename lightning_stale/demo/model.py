@@ -16,7 +16,9 @@ from torch import nn
 
 from lightning_stale.vocab import check_choice, check_int, check_rounding
 
-OPTIMIZER_KINDS = ("adamw", "adamw_master", "bnb_adamw8bit", "quantized")
+OPTIMIZER_KINDS = ("adamw", "adamw_master", "adamw_master_srw", "adamw_master_srs", "bnb_adamw8bit", "quantized")
+MASTER_STORAGES = {"adamw_master": {}, "adamw_master_srw": {"weights": "stochastic"},  # MasterWeightAdamW's options
+                   "adamw_master_srs": {"moments": "stochastic"}}
 STATE_FORMATS = ("fp8_e4m3", "fp4", "bf16", "int8_dynamic", "fp32")
 
 
@@ -42,8 +44,9 @@ class DecoderConfig:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """Which AdamW to build: torch (``adamw``), torch's on fp32 master weights (``adamw_master``, the bf16-compute
-    control of :mod:`~lightning_stale.demo.master`), bitsandbytes ``AdamW8bit``, or ``QuantizedAdamW``.
+    """Which AdamW to build: torch (``adamw``), torch's math on fp32 master weights and states (``adamw_master``, the
+    bf16-compute control of :mod:`~lightning_stale.demo.master`; ``_srw``: weights, ``_srs``: states stored in bf16
+    with stochastic rounding instead), bitsandbytes ``AdamW8bit``, or ``QuantizedAdamW``.
 
     ``state_format`` and ``rounding`` apply to ``quantized`` only; ``state_format`` is one name for both moments or
     ``"<m format>/<v format>"`` (e.g. ``"fp32/fp4"``: fp4 second moment only). ``min_quantized_size`` is the smallest
@@ -75,10 +78,10 @@ class OptimizerSpec:
         common = dict(lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
         if self.kind == "adamw":
             return torch.optim.AdamW(params, **common)
-        if self.kind == "adamw_master":
+        if self.kind in MASTER_STORAGES:
             from lightning_stale.demo.master import MasterWeightAdamW
 
-            return MasterWeightAdamW(params, **common)
+            return MasterWeightAdamW(params, **MASTER_STORAGES[self.kind], **common)
         if self.kind == "bnb_adamw8bit":
             import bitsandbytes as bnb
 
