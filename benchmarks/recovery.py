@@ -12,7 +12,8 @@ Rows are remedies, each a ``StaleStateCallback`` setting: nearest (none), stocha
 only), guard (``underflow_guard=True``), theory / vonly (theory periods, both moments / v only) / adaptive /
 periodic / drift (``reset=...``; fp32's periodic cell is the control, every 300 steps), wsr / wkahan (the weight
 write-back with stochastic rounding / compensated summation, ``weights=...``; bf16 weights only), wsrm (the write-back
-rounding torch's bf16 moments stochastically too, ``weights="stochastic+moments"``; torchbf16 only) and auto
+rounding torch's bf16 moments stochastically too, ``weights="stochastic+moments"``; torchbf16 only), wkahanm (the
+same with compensated weights, ``weights="compensated+moments"``; torchbf16 only) and auto
 (``remedy="auto"``).
 
 For every learning rate it prints the grid (mean ± std over seeds), then per column the gap of nearest rounding to
@@ -55,10 +56,10 @@ COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16", "bnb8bi
            "torchsrw", "torchsrs")
 CONTROLS = ("torchmaster", "torchsrw", "torchsrs")  # bf16-true controls, one (nearest) cell each
 ROWS = ("nearest", "stochastic", "guard", "theory", "vonly", "adaptive", "periodic", "drift", "wsr", "wkahan", "wsrm",
-        "auto")
+        "wkahanm", "auto")
 SUFFIX = {"nearest": "", "guard": "+guard", "theory": "+reset", "vonly": "+vreset", "adaptive": "+adaptive",
           "periodic": "+periodic", "drift": "+drift", "wsr": "+wsr", "wkahan": "+wkahan", "wsrm": "+wsrm",
-          "auto": "+auto"}
+          "wkahanm": "+wkahanm", "auto": "+auto"}
 NO_STOCHASTIC = ("bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed")  # optimizers without stochastic rounding
 BF16_WEIGHTS = ("torchbf16", "bnb8bitbf16")  # the columns whose weights the write-back rows take over
 
@@ -71,7 +72,8 @@ def cell_config(row: str, column: str) -> str | None:
         return column if row == "nearest" else None
     if row == "stochastic":
         return None if column in NO_STOCHASTIC else f"{column}-sr"
-    if (row in ("wsr", "wkahan") and column not in BF16_WEIGHTS) or (row == "wsrm" and column != "torchbf16"):
+    if (row in ("wsr", "wkahan") and column not in BF16_WEIGHTS) or \
+            (row in ("wsrm", "wkahanm") and column != "torchbf16"):
         return None
     return column + SUFFIX[row]
 TARGET_SHARE = 0.8

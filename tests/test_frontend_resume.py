@@ -5,6 +5,7 @@ logged counters and weights equal."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,11 +86,12 @@ def test_hugging_face_resume_continues_the_callback_exactly(tmp_path, kind):
         assert all(torch.equal(a, b) for a, b in zip(plain_resumed, plain_weights))  # HF's own resume is exact
 
 
-def test_hugging_face_refuses_compensated_weights_it_could_only_save_as_json():
-    with pytest.raises(ValueError, match="weights='compensated'.*trainer_state.json"):
+@pytest.mark.parametrize("weights", ["compensated", "compensated+moments"])
+def test_hugging_face_refuses_compensated_weights_it_could_only_save_as_json(weights):
+    with pytest.raises(ValueError, match=f"weights='{re.escape(weights)}'.*trainer_state.json"):
         from lightning_stale.hf import StaleStateHFCallback
 
-        StaleStateHFCallback(weights="compensated")
+        StaleStateHFCallback(weights=weights)
 
 
 @pytest.mark.parametrize("kind", ["bnb", "bf16"])

@@ -604,3 +604,45 @@ def test_a_partial_take_over_writes_every_other_parameter_of_its_groups(name):
         assert torch.equal(model.gain, twin.gain)  # fp32: the optimizer's own computation
         diff = (model.bias.float() - twin.bias.float()).abs()
         assert (diff > 0).float().mean().item() <= max_share and diff.max().item() <= max_lr_units * LR
+
+
+def test_compensated_weights_with_owned_moments_follow_fp32_and_resume_bit_exactly():
+    """``weights="compensated+moments"``: torch's bf16 moments computed in fp32 and rounded stochastically, the weight
+    kept exactly (stored weight + its bf16 residual) through updates far below its grid gap, and a resume from the
+    optimizer's state and the write-back's buffers continues bit for bit."""
+    weight = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([weight], lr=1e-4, weight_decay=0.0, eps=1e-12)
+    writeback = WeightWriteBack(opt, "compensated", moments="stochastic")
+    for _ in range(100):
+        weight.grad = torch.ones_like(weight)
+        opt.step()
+    assert abs(weight.float().mean().item() - 0.99) <= 2.0**-9  # stored: within half a gap of 0.99
+    exact = weight.float() + writeback.compensation[0].float()
+    # with its residual: fp32 Adam's weight, up to the bf16 residual's own rounding and the moments' noise (1% of
+    # the distance travelled, as with the optimizer's fp32 moments in test_small_updates_move_only_...)
+    assert abs(exact.mean().item() - 0.99) < 1e-4 and (exact - 0.99).abs().max().item() < 2e-4
+    writeback.close()
+
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(16, 64, generator=gen).bfloat16() for _ in range(6)]
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), **KW)
+    writeback = WeightWriteBack(opt, "compensated", moments="stochastic", seed=5)
+    for x in inputs[:3]:
+        _step(model, opt, x)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "wb": writeback.state_dict()})
+    for x in inputs[3:]:
+        _step(model, opt, x)
+    writeback.close()
+    resumed = _model()
+    resumed.load_state_dict(saved["model"])
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), **KW)
+    resumed_opt.load_state_dict(saved["opt"])
+    resumed_writeback = WeightWriteBack(resumed_opt, "compensated", moments="stochastic")
+    resumed_writeback.load_state_dict(saved["wb"])
+    for x in inputs[3:]:
+        _step(resumed, resumed_opt, x)
+    resumed_writeback.close()
+    for i, (a, b) in enumerate(zip(model.parameters(), resumed.parameters())):
+        assert torch.equal(a, b) and torch.equal(writeback.compensation[i], resumed_writeback.compensation[i])
+        assert torch.equal(opt.state[a]["exp_avg_sq"], resumed_opt.state[b]["exp_avg_sq"])

@@ -43,7 +43,7 @@ MomentRounding = Literal["optimizer", "stochastic", "nearest"]
 MOMENT_ROUNDINGS: tuple[str, ...] = ("optimizer", "stochastic", "nearest")
 # The monitor's ``weights`` option: off, or a rounding of the write-back ("nearest" is the conformance mode only);
 # "stochastic+moments" also rounds torch.optim's bf16/fp16 moments stochastically.
-WEIGHT_WRITES: tuple[str, ...] = ("off", "stochastic", "compensated", "stochastic+moments")
+WEIGHT_WRITES: tuple[str, ...] = ("off", "stochastic", "compensated", "stochastic+moments", "compensated+moments")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SUPPORTED = (
     "torch.optim.Adam/AdamW (for-loop, foreach, fused; no amsgrad, capturable or differentiable), "
@@ -313,8 +313,6 @@ class WeightWriteBack:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         if moments not in MOMENT_ROUNDINGS:
             raise ValueError(f"moments must be one of {MOMENT_ROUNDINGS}, got {moments!r}")
-        if moments != "optimizer" and rounding == "compensated":
-            raise ValueError(f"moments={moments!r} goes with rounding 'stochastic' or 'nearest', not 'compensated'")
         self.optimizer = _unwrap(optimizer)
         self.family = _family(self.optimizer)
         if moments != "optimizer" and self.family != "torch":
@@ -701,9 +699,17 @@ class WeightWriteBack:
         device = params[0].device
         counter = _counters(batch, self.seed, device) if round_weights or round_moments else None
         hyper = _device_scalars(batch[0][0].hyper(), device)
-        weight, m, v = _run_fused_write(_gather(params, sizes), _gather(ms, sizes), _gather(vs, sizes), grad, counter,
-                                        hyper, params[0].dtype, round_weights, round_moments)
+        weight = _gather(params, sizes)
+        compensated = self.rounding == "compensated"  # the stored weight plus its residual is the weight optimized
+        if compensated:
+            buffers = [_flat_range(self._buffer(e), a, b) for e, a, b in batch]
+            weight.add_(_gather(buffers, sizes))
+        weight, m, v = _run_fused_write(weight, _gather(ms, sizes), _gather(vs, sizes), grad, counter, hyper,
+                                        params[0].dtype, round_weights, round_moments)
         _scatter(params, weight, sizes)
+        if compensated:
+            weight.sub_(_gather(params, sizes))  # exact: |target - nearest| <= ulp / 2
+            _scatter(buffers, weight, sizes)
         if own:
             _scatter(ms, m, sizes)
             _scatter(vs, v, sizes)
@@ -851,7 +857,7 @@ def _fp32_update(weights: list[Tensor], ms: list[Tensor], vs: list[Tensor], entr
 
 def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: bool) -> WeightWriteBack | None:
     """The write-back a monitor attaches for its ``weights`` option: that rounding on every parameter stored below
-    fp32 (``"stochastic+moments"``: stochastic, with torch.optim's moments rounded stochastically too); with the
+    fp32 (``"<rounding>+moments"``: with torch.optim's moments computed here and rounded stochastically too); with the
     automatic remedy and no choice (``None``), stochastic rounding, of torch.optim's moments too, on no parameter yet
     (the remedy chooses). None where no parameter is stored below fp32, where ``weights="off"``, and where the
     automatic remedy meets an optimizer the write-back does not support (a ``weights`` choice there is a configuration

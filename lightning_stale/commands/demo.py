@@ -14,7 +14,7 @@ _WEIGHT_SUFFIXES = ("+wsr", "+wkahan")
 AVAILABLE_CONFIGS = ", ".join(
     ["fp32", "fp32+reset", "torchmaster", "torchsrw", "torchsrs", *(f"{s}{x}" for s in ("bnb8bit", "torchmixed") for x in _REMEDY_SUFFIXES),
      *(f"{s}{x}" for s in ("torchbf16", "bnb8bitbf16") for x in _REMEDY_SUFFIXES + _WEIGHT_SUFFIXES),
-     "torchbf16+wsrm"]
+     "torchbf16+wsrm", "torchbf16+wkahanm"]
     + [f"{s}{r}{x}" for s in ("bf16", "fp8", "fp4", "int8") for r in ("", "-sr") for x in _REMEDY_SUFFIXES]
 )
 
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "StaleStateCallback(reset='theory') (fp32+reset: periodic, every 300); +vreset: theory resets of v only; "
         "+adaptive/+drift: reset='adaptive'/'drift'; +periodic: every 300; +guard: underflow_guard=True; "
         "+auto: remedy='auto'; +wsr/+wkahan: weights='stochastic'/'compensated' (bf16 parameters only); +wsrm: "
-        "weights='stochastic+moments' (torchbf16 only)",
+        "weights='stochastic+moments', +wkahanm: weights='compensated+moments' (torchbf16 only)",
     )
     parser.add_argument("--out", default="stale-demo",
                         help="output folder for logs, table and figure (default: ./stale-demo)")

@@ -91,6 +91,8 @@ WEIGHT_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words), for s
 }
 MOMENT_SUFFIXES = {  # likewise, where the moments are torch.optim's (bf16 with bf16 weights)
     "+wsrm": ({"weights": "stochastic+moments"}, ", weight write-back with stochastic rounding of weights and moments"),
+    "+wkahanm": ({"weights": "compensated+moments"},
+                 ", weight write-back with compensated summation of weights, stochastic rounding of moments"),
 }
 
 

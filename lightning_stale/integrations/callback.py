@@ -54,7 +54,7 @@ class StaleStateCallback(Callback):
         v_reset: Literal["bounded", "exact-unbounded"] = "bounded",
         remedy: Literal["auto"] | Remedy | None = None,
         drift_band: float | None = None,
-        weights: Literal["off", "stochastic", "compensated", "stochastic+moments"] | None = None,
+        weights: Literal["off", "stochastic", "compensated", "stochastic+moments", "compensated+moments"] | None = None,
         policy_args: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()

@@ -40,11 +40,12 @@ class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
 
     def __init__(self, **options: Any) -> None:
         self.options = MonitorOptions.from_arguments(type(self).__name__, options)
-        if self.options.weights == "compensated":
+        if (self.options.weights or "").startswith("compensated"):
             # Hugging Face keeps callback state only in trainer_state.json: 2 bytes per parameter of compensation
             # buffers would be written there as JSON numbers at every checkpoint, and a resume without them is not
             # the same run.
-            raise ValueError("StaleStateHFCallback: weights='compensated' keeps a buffer per bf16 parameter that the "
+            raise ValueError(f"StaleStateHFCallback: weights={self.options.weights!r} keeps a buffer per bf16 "
+                             "parameter that the "
                              "Hugging Face Trainer can only checkpoint as JSON in trainer_state.json; use "
                              "weights='stochastic' (no state; what remedy='auto' uses), 'off' or None here, or the "
                              "Lightning/Fabric front-ends, which save the buffers with the checkpoint")

@@ -73,7 +73,8 @@ class MonitorOptions:
             :mod:`lightning_stale.act.weights`): ``"stochastic"`` (stochastic rounding, no memory), ``"compensated"``
             (a compensation buffer in the parameter's dtype, saved with the monitor), ``"stochastic+moments"``
             (torch.optim Adam/AdamW only: stochastic rounding, and the write-back also computes the step's moments,
-            which torch keeps in the parameter's dtype, in fp32 and stores them with stochastic rounding), ``"off"``
+            which torch keeps in the parameter's dtype, in fp32 and stores them with stochastic rounding),
+            ``"compensated+moments"`` (likewise, with the weights' compensation buffer instead), ``"off"``
             (never), or ``None`` (default: off, unless ``remedy="auto"`` turns stochastic rounding on where the weights
             stall, of torch.optim's moments too).
         drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"`` (default
