@@ -343,6 +343,7 @@ def test_refuses_unsupported(make, match):
     *((name, rounding, "optimizer") for name in ("torch_adamw_foreach", "bnb_adamw_8bit", "quantized_int8")
       for rounding in ("stochastic", "compensated")),
     ("torch_adamw_foreach", "stochastic", "stochastic"),
+    ("torch_adamw_foreach", "compensated", "stochastic"),
 ])
 def test_chunked_writes_equal_whole_writes(name, rounding, moments, monkeypatch):
     """Written in chunks of 1,000 elements (bnb blocks and parameters cut mid-way) the weights (and moments the
@@ -360,7 +361,8 @@ def test_chunked_writes_equal_whole_writes(name, rounding, moments, monkeypatch)
             _step(model, opt, torch.randn(32, 64, generator=gen).bfloat16())
         writeback.close()
         results.append([p.detach().clone() for p in model.parameters()]
-                       + [t for p in model.parameters() for t in opt.state[p].values() if isinstance(t, torch.Tensor)])
+                       + [t for p in model.parameters() for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+                       + list(writeback.compensation.values()))
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
