@@ -26,6 +26,7 @@ ROWS = (  # configuration, words, weight + gradient bytes, write-back buffer byt
     ("torchbf16+wsr", "  + `weights=\"stochastic\"`", 2 + 2, 0),
     ("torchbf16+wkahan", "  + `weights=\"compensated\"`", 2 + 2, 2),
     ("torchbf16+wsrm", "  + `weights=\"stochastic+moments\"`", 2 + 2, 0),
+    ("torchbf16+wkahanm", "  + `weights=\"compensated+moments\"`", 2 + 2, 2),
     ("torchbf16+auto", "  + `remedy=\"auto\"`", 2 + 2, 0),
     ("bnb8bitbf16", "`bf16-true`, bitsandbytes AdamW8bit (8-bit states)", 2 + 2, 0),
     ("bnb8bitbf16+wsr", "  + `weights=\"stochastic\"`", 2 + 2, 0),
