@@ -445,14 +445,16 @@ def test_stochastic_moments_track_the_fp32_average_where_bf16_stalls():
     assert results["stochastic"] == pytest.approx(fp32, rel=5e-3)
 
 
-def test_owned_moments_resume_bit_exactly_and_agree_across_ranks():
-    """The moments' noise is keyed by seed, step and parameter: a run resumed from the optimizer's state (the
-    write-back keeps none) and a second "rank" with another global RNG state end bit-identical."""
+@pytest.mark.parametrize("rounding", ["stochastic", "compensated"])
+def test_owned_moments_resume_bit_exactly_and_agree_across_ranks(rounding):
+    """The moments' noise is keyed by seed, step and parameter: a run resumed from the optimizer's state and the
+    write-back's (compensation buffers, where it keeps them) and a second "rank" with another global RNG state end
+    bit-identical."""
     gen = torch.Generator().manual_seed(2)
     inputs = [torch.randn(16, 64, generator=gen).bfloat16() for _ in range(6)]
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), **KW)
-    writeback = WeightWriteBack(opt, "stochastic", moments="stochastic", seed=4)
+    writeback = WeightWriteBack(opt, rounding, moments="stochastic", seed=4)
     for x in inputs[:3]:
         _step(model, opt, x)
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "wb": writeback.state_dict()})
@@ -464,14 +466,17 @@ def test_owned_moments_resume_bit_exactly_and_agree_across_ranks():
     resumed.load_state_dict(saved["model"])
     resumed_opt = torch.optim.AdamW(resumed.parameters(), **KW)
     resumed_opt.load_state_dict(saved["opt"])
-    resumed_writeback = WeightWriteBack(resumed_opt, "stochastic", moments="stochastic", seed=0)
+    resumed_writeback = WeightWriteBack(resumed_opt, rounding, moments="stochastic", seed=0)
     resumed_writeback.load_state_dict(saved["wb"])
     for x in inputs[3:]:
         _step(resumed, resumed_opt, x)
     resumed_writeback.close()
-    for a, b in zip(model.parameters(), resumed.parameters()):
+    assert len(writeback.compensation) == (len(list(model.parameters())) if rounding == "compensated" else 0)
+    for i, (a, b) in enumerate(zip(model.parameters(), resumed.parameters())):
         assert torch.equal(a, b)
         assert torch.equal(opt.state[a]["exp_avg_sq"], resumed_opt.state[b]["exp_avg_sq"])
+        if rounding == "compensated":
+            assert torch.equal(writeback.compensation[i], resumed_writeback.compensation[i])
 
 
 def test_owned_moments_hooks_give_back_gradients_and_lr():
@@ -608,10 +613,10 @@ def test_a_partial_take_over_writes_every_other_parameter_of_its_groups(name):
         assert (diff > 0).float().mean().item() <= max_share and diff.max().item() <= max_lr_units * LR
 
 
-def test_compensated_weights_with_owned_moments_follow_fp32_and_resume_bit_exactly():
+def test_compensated_weights_with_owned_moments_follow_fp32():
     """``weights="compensated+moments"``: torch's bf16 moments computed in fp32 and rounded stochastically, the weight
-    kept exactly (stored weight + its bf16 residual) through updates far below its grid gap, and a resume from the
-    optimizer's state and the write-back's buffers continues bit for bit."""
+    kept exactly (stored weight + its bf16 residual) through updates far below its grid gap (its resume:
+    test_owned_moments_resume_bit_exactly_and_agree_across_ranks)."""
     weight = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
     opt = torch.optim.AdamW([weight], lr=1e-4, weight_decay=0.0, eps=1e-12)
     writeback = WeightWriteBack(opt, "compensated", moments="stochastic")
@@ -624,27 +629,3 @@ def test_compensated_weights_with_owned_moments_follow_fp32_and_resume_bit_exact
     # the distance travelled, as with the optimizer's fp32 moments in test_small_updates_move_only_...)
     assert abs(exact.mean().item() - 0.99) < 1e-4 and (exact - 0.99).abs().max().item() < 2e-4
     writeback.close()
-
-    gen = torch.Generator().manual_seed(3)
-    inputs = [torch.randn(16, 64, generator=gen).bfloat16() for _ in range(6)]
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), **KW)
-    writeback = WeightWriteBack(opt, "compensated", moments="stochastic", seed=5)
-    for x in inputs[:3]:
-        _step(model, opt, x)
-    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "wb": writeback.state_dict()})
-    for x in inputs[3:]:
-        _step(model, opt, x)
-    writeback.close()
-    resumed = _model()
-    resumed.load_state_dict(saved["model"])
-    resumed_opt = torch.optim.AdamW(resumed.parameters(), **KW)
-    resumed_opt.load_state_dict(saved["opt"])
-    resumed_writeback = WeightWriteBack(resumed_opt, "compensated", moments="stochastic")
-    resumed_writeback.load_state_dict(saved["wb"])
-    for x in inputs[3:]:
-        _step(resumed, resumed_opt, x)
-    resumed_writeback.close()
-    for i, (a, b) in enumerate(zip(model.parameters(), resumed.parameters())):
-        assert torch.equal(a, b) and torch.equal(writeback.compensation[i], resumed_writeback.compensation[i])
-        assert torch.equal(opt.state[a]["exp_avg_sq"], resumed_opt.state[b]["exp_avg_sq"])
