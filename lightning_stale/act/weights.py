@@ -42,7 +42,7 @@ ROUNDINGS: tuple[str, ...] = ("stochastic", "compensated", "nearest")
 MomentRounding = Literal["optimizer", "stochastic", "nearest"]
 MOMENT_ROUNDINGS: tuple[str, ...] = ("optimizer", "stochastic", "nearest")
 # The monitor's ``weights`` option: off, or a rounding of the write-back ("nearest" is the conformance mode only);
-# "stochastic+moments" also rounds torch.optim's bf16/fp16 moments stochastically.
+# "<rounding>+moments" also has the write-back compute torch.optim's bf16/fp16 moments and round them stochastically.
 WEIGHT_WRITES: tuple[str, ...] = ("off", "stochastic", "compensated", "stochastic+moments", "compensated+moments")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SUPPORTED = (
@@ -490,9 +490,9 @@ class WeightWriteBack:
         entries: list[tuple[_Entry, str]] = []
         counters: list[Tensor] = []  # step counters of the parameters whose whole step is the write-back's
         handled = self._handled()
-        mates = {index for index, _, _, _ in self._group_mates(handled)}
-        todo = [(index, position, group, param) for index, position, group, param in
-                handled + self._group_mates(handled)
+        mated = self._group_mates(handled)
+        mates = {index for index, _, _, _ in mated}
+        todo = [(index, position, group, param) for index, position, group, param in handled + mated
                 if self._steps_before.get(index) is not None and id(group) in lrs and index not in self._ahead]
         # the optimizer's counters after its step, where it kept them (one read for all; hidden ones did not move)
         unhidden = [param for index, _, _, param in todo if index not in hidden]
@@ -670,20 +670,13 @@ class WeightWriteBack:
         entries = [e for e, _, _ in batch]
         sizes = [b - a for _, a, b in batch]
         params = [_flat_range(e.param, a, b) for e, a, b in batch]
-        weight = _gather(params, sizes)
-        weights = list(weight.split(sizes))
-        if rounding == "compensated":  # the stored weight plus its residual is the weight being optimized
-            buffers = [_flat_range(self._buffer(e), a, b) for e, a, b in batch]
-            weight.add_(_gather(buffers, sizes))
+        weight, buffers = self._target(batch, params, sizes, rounding == "compensated")
         moments = [e.moments(a, b) for e, a, b in batch]
         ms, vs = (_fp32([pair[i] for pair in moments], sizes) for i in (0, 1))
         del moments
-        _fp32_update(weights, ms, vs, entries, formula, bounded)
+        _fp32_update(list(weight.split(sizes)), ms, vs, entries, formula, bounded)
         del ms, vs
-        _scatter(params, weight, sizes)
-        if rounding == "compensated":
-            weight.sub_(_gather(params, sizes))  # exact: |target - nearest| <= ulp / 2
-            _scatter(buffers, weight, sizes)
+        _store(params, weight, sizes, buffers)
 
     def _write_fused(self, batch: list[tuple[_Entry, int, int]]) -> None:
         """Flat ranges of parameters sharing a device, dtype and scalars through :func:`_fused_write`: weights, moments
@@ -699,20 +692,24 @@ class WeightWriteBack:
         device = params[0].device
         counter = _counters(batch, self.seed, device) if round_weights or round_moments else None
         hyper = _device_scalars(batch[0][0].hyper(), device)
-        weight = _gather(params, sizes)
-        compensated = self.rounding == "compensated"  # the stored weight plus its residual is the weight optimized
-        if compensated:
-            buffers = [_flat_range(self._buffer(e), a, b) for e, a, b in batch]
-            weight.add_(_gather(buffers, sizes))
+        weight, buffers = self._target(batch, params, sizes, self.rounding == "compensated")
         weight, m, v = _run_fused_write(weight, _gather(ms, sizes), _gather(vs, sizes), grad, counter, hyper,
                                         params[0].dtype, round_weights, round_moments)
-        _scatter(params, weight, sizes)
-        if compensated:
-            weight.sub_(_gather(params, sizes))  # exact: |target - nearest| <= ulp / 2
-            _scatter(buffers, weight, sizes)
+        _store(params, weight, sizes, buffers)
         if own:
             _scatter(ms, m, sizes)
             _scatter(vs, v, sizes)
+
+    def _target(self, batch: list[tuple[_Entry, int, int]], params: list[Tensor], sizes: list[int],
+                compensated: bool) -> tuple[Tensor, list[Tensor] | None]:
+        """The weights being optimized, flat in fp32: the stored ones, plus their residuals (and those buffers'
+        ranges) where ``compensated``."""
+        weight = _gather(params, sizes)
+        if not compensated:
+            return weight, None
+        buffers = [_flat_range(self._buffer(e), a, b) for e, a, b in batch]
+        weight.add_(_gather(buffers, sizes))
+        return weight, buffers
 
     def _buffer(self, entry: _Entry) -> Tensor:
         buffer = self.compensation.get(entry.index)
@@ -795,6 +792,15 @@ def _gather(tensors: list[Tensor], sizes: list[int]) -> Tensor:
 def _scatter(targets: list[Tensor], flat: Tensor, sizes: list[int]) -> None:
     """The consecutive ranges of ``flat`` copied into ``targets`` in place (rounded to nearest in their dtype)."""
     torch._foreach_copy_(targets, _views(flat, targets, sizes))
+
+
+def _store(params: list[Tensor], weight: Tensor, sizes: list[int], buffers: list[Tensor] | None) -> None:
+    """The flat fp32 ``weight`` written into ``params`` (nearest rounding; already on their grid where rounded
+    stochastically) and, with ``buffers``, what that rounding left out into them (exact: at most half an ulp)."""
+    _scatter(params, weight, sizes)
+    if buffers is not None:
+        weight.sub_(_gather(params, sizes))
+        _scatter(buffers, weight, sizes)
 
 
 def _fp32(tensors: list[Tensor], sizes: list[int]) -> list[Tensor]:
