@@ -3,8 +3,9 @@ rank writes what it saw to a JSON file. Run by ``tests/test_fsdp2.py``:
 
     python tests/fsdp2_worker.py OUT_DIR KIND STEPS [RESUME_CKPT]
 
-KIND is ``torch`` (torch.optim.AdamW on bf16 parameters: DTensor bf16 states), ``torch-wsr``/``torch-wkahan`` (the
-same with ``weights="stochastic"``/``"compensated"``) or ``torchao`` (torchao AdamW8bit: DTensor-wrapped 8-bit
+KIND is ``torch`` (torch.optim.AdamW on bf16 parameters: DTensor bf16 states), ``torch-wsr``/``torch-wsrm``/
+``torch-wkahan`` (the same with ``weights="stochastic"``/``"stochastic+moments"``/``"compensated"``), ``torch-auto``
+(the same with ``remedy="auto"`` instead of periodic resets) or ``torchao`` (torchao AdamW8bit: DTensor-wrapped 8-bit
 states). Every layer has an even number of rows, so the shards are even (torchao's compiled step
 fails on uneven shards with torch 2.13). Each rank records, per optimizer step, an independent count over its own
 shards of the second-moment codes left unchanged where the gradient is finite and non-zero, the reset steps, the
@@ -120,7 +121,8 @@ def main(out: Path, kind: str, steps: int, resume: str | None) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     weights = {"torch-wsr": "stochastic", "torch-wsrm": "stochastic+moments",
                "torch-wkahan": "compensated"}.get(kind)
-    callback = StaleStateCallback(track="exact", reset="periodic", every=6, seed=rank, weights=weights)
+    chosen = {"remedy": "auto"} if kind == "torch-auto" else {"reset": "periodic", "every": 6, "weights": weights}
+    callback = StaleStateCallback(track="exact", seed=rank, **chosen)
     resets: list[dict] = []
     callback.add_reset_listener(lambda event: resets.append({"step": event.step, "state": state_hashes(event.optimizer)}))
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=4, save_top_k=-1)
@@ -142,6 +144,8 @@ def main(out: Path, kind: str, steps: int, resume: str | None) -> None:
         "periods": callback.reset_periods(),
         "final_state": state_hashes(trainer.optimizers[0]),
         "steps": callback.monitor.steps,
+        "writeback": [t.writeback.describe() if t.writeback else None for t in callback.monitor._pipelines],
+        "taken_over": [t.writeback.handled if t.writeback else 0 for t in callback.monitor._pipelines],
     }
     (out / f"{'resumed' if resume else 'full'}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -92,6 +92,22 @@ def test_fsdp2_weight_write_back_writes_each_shard_and_resumes_exactly(tmp_path,
 
 
 @pytest.mark.slow
+def test_fsdp2_auto_writes_sharded_weights_with_stochastic_rounding_and_resumes_exactly(tmp_path):
+    """``remedy="auto"`` on FSDP2 bf16 shards: no compensated summation (its buffers would be saved from rank 0
+    only), stochastic rounding of weights and moments instead, which keeps no state; both ranks take over the same
+    parameters and a resume mid-run ends on bit-identical shards."""
+    full = launch(tmp_path, "torch-auto")
+    resumed = launch(tmp_path, "torch-auto", resume=tmp_path / "ckpt" / "epoch=0-step=8.ckpt")
+    assert full[0]["taken_over"] == full[1]["taken_over"] == resumed[0]["taken_over"] == resumed[1]["taken_over"]
+    for f, r in zip(full, resumed):
+        assert f["writeback"] == r["writeback"] == ["stochastic rounding of the weights and moments"]
+        assert r["weights"] == f["weights"] and r["final_state"] == f["final_state"]
+    taken = [row["stale/remedy/weights"] for row in csv.DictReader((tmp_path / "csv" / "version_0" / "metrics.csv")
+                                                                   .open()) if row.get("stale/remedy/weights")]
+    assert taken and float(taken[-1]) > 0
+
+
+@pytest.mark.slow
 def test_fsdp2_refuses_compensated_weights_whose_buffers_rank_zero_alone_would_save(tmp_path):
     stderr = launch(tmp_path, "torch-wkahan", expect_failure=True)
     assert "rounding='compensated' is not supported on sharded (DTensor, FSDP2) parameters" in stderr

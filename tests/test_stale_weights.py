@@ -68,32 +68,42 @@ def test_fp32_weights_are_not_measured_and_auto_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
 
 
-@pytest.mark.parametrize(("family", "moments", "said"), [
-    ("torch", "stochastic", "stochastic rounding of the weights and moments from step"),
-    # bitsandbytes keeps its own (8-bit) moments: the weights alone, with stochastic rounding (measured as good as
-    # compensated summation in the long plan, without its 2 bytes per element)
-    ("bitsandbytes", "optimizer", "stochastic rounding from step"),
+@pytest.mark.parametrize(("family", "keeps_tensors", "said"), [
+    ("torch", True, "compensated summation of the weights and stochastic rounding of the moments from step"),
+    # a front-end whose checkpoints are JSON (Hugging Face): stochastic rounding, which keeps no state
+    ("torch", False, "stochastic rounding of the weights and moments from step"),
+    # bitsandbytes keeps its own (8-bit) moments: the weights alone
+    ("bitsandbytes", True, "compensated summation from step"),
+    ("bitsandbytes", False, "stochastic rounding from step"),
 ])
-def test_auto_takes_over_stalling_weights_and_logs_it(caplog, family, moments, said):
+def test_auto_takes_over_stalling_weights_and_logs_it(caplog, family, keeps_tensors, said):
     model = _model()
     if family == "torch":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)  # below every weight's half gap: nearest stalls them all
     else:
         opt = pytest.importorskip("bitsandbytes").optim.AdamW8bit(model.parameters(), lr=1e-5, min_8bit_size=256)
     with caplog.at_level("INFO"):
-        monitor = StaleStateMonitor(opt, remedy="auto", names=model)
+        monitor = StaleStateMonitor(opt, remedy="auto", names=model, keeps_tensors=keeps_tensors)
         _step(model, opt, torch.Generator().manual_seed(1))
     assert f"weight write-back with {said}" in caplog.text
     gen = torch.Generator().manual_seed(0)
-    start = [p.detach().clone() for p in model.parameters()]
+    start = [p.detach().float() for p in model.parameters()]
     for _ in range(30):
         _step(model, opt, gen)
     row = monitor.compute()
     assert row["stale/remedy/weights"] == 4.0  # every bf16 parameter, chosen at fit start from the threshold
     writeback = monitor._pipelines[0].writeback
-    assert (writeback.rounding, writeback.moments, writeback.resident_bytes()) == ("stochastic", moments, 0)
-    moved = sum(int((a != b).sum()) for a, b in zip(start, model.parameters()))
-    assert moved > 0.2 * sum(p.numel() for p in model.parameters())  # stochastic rounding moves them
+    rounding = "compensated" if keeps_tensors else "stochastic"
+    moments = "stochastic" if family == "torch" else "optimizer"
+    elements = sum(p.numel() for p in model.parameters())
+    assert (writeback.rounding, writeback.moments) == (rounding, moments)
+    assert monitor.resident_bytes() - writeback.resident_bytes() > 0
+    assert writeback.resident_bytes() == (2 * elements if keeps_tensors else 0)  # 2 B per bf16 element taken over
+    # what the weights hold (with the compensated residual) moved where nearest rounding would have stalled them
+    held = [p.float() + writeback.compensation[i].float() if keeps_tensors else p.float()
+            for i, p in enumerate(model.parameters())]
+    moved = sum(int((a != b).sum()) for a, b in zip(start, held))
+    assert moved > 0.2 * elements
     monitor.close()
     assert opt.param_groups[0]["lr"] == 1e-5
 
@@ -166,12 +176,13 @@ def test_trainer_bf16_true_logs_weight_stall_and_writes_weights(weights):
     assert all(float(s["step"]) == 8.0 for s in trainer.optimizers[0].state.values())
 
 
-@pytest.mark.parametrize("weights", ["compensated", "stochastic+moments"])
+@pytest.mark.parametrize("weights", ["compensated", "stochastic+moments", "auto"])
 def test_trainer_resume_with_the_write_back_equals_the_uninterrupted_run(tmp_path, weights):
     """bf16-true with ``weights="compensated"``: the compensation buffers travel in the Trainer checkpoint (the
     callback's state), so a run resumed at step 6 ends with the uninterrupted run's weights, bit for bit; with
     ``"stochastic+moments"`` the moments the write-back rounds are the optimizer's own state, and its noise is keyed
-    by step."""
+    by step; ``remedy="auto"`` takes the weights over with compensated summation (and the moments with stochastic
+    rounding) at fit start, and its choices and buffers resume too."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -193,13 +204,15 @@ def test_trainer_resume_with_the_write_back_equals_the_uninterrupted_run(tmp_pat
 
     def fit(root, ckpt_path=None, save=False):
         model = ByIndex()
-        callbacks = [StaleStateCallback(weights=weights)]
+        callbacks = [StaleStateCallback(**({"remedy": "auto"} if weights == "auto" else {"weights": weights}))]
         if save:
             callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=1, save_top_k=-1))
         trainer = pl.Trainer(accelerator="cpu", precision="bf16-true", max_steps=12, log_every_n_steps=4,
                              logger=False, enable_checkpointing=save, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=callbacks, default_root_dir=root)
         trainer.fit(model, ckpt_path=ckpt_path)
+        writeback = callbacks[0].monitor._pipelines[0].writeback
+        assert writeback.handled == 4 and (writeback.resident_bytes() > 0) == weights.startswith(("comp", "auto"))
         return model
 
     full = fit(tmp_path / "full", save=True)

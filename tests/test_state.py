@@ -42,15 +42,19 @@ def test_a_version_2_checkpoint_continues_exactly_as_version_2_did():
     assert monitor.reset_events == saved["stale"]["reset_events"] > 0
     rows = recipe.train(model, optimizers, monitor, 12, start=12)
     expected = saved["expected"]
-    # every logged number, bit for bit, but the predicted stall: version 2 kept the 8-bit grid estimate of the
-    # second step, this version re-estimates it until the state has settled
+    # every logged number but the predicted stall (version 2 kept the 8-bit grid estimate of the second step, this
+    # version re-estimates it until the state has settled), and the weights: bit for bit on the CPU that wrote the
+    # file; another CPU's matmul kernels (AVX2 there, AVX-512 here) differ in the last bits of the gradients, so to
+    # fp32 rounding (a state read wrongly moves the resets, the counts and the drift far more)
     predicted = "stale/v/predicted"
-    assert [{k: v for k, v in r.items() if k != predicted} for r in rows] == \
-        [{k: v for k, v in r.items() if k != predicted} for r in expected["rows"]]
+    assert [r.keys() - {predicted} for r in rows] == [r.keys() - {predicted} for r in expected["rows"]]
+    for row, want in zip(rows, expected["rows"]):
+        assert {k: v for k, v in row.items() if k != predicted} == \
+            pytest.approx({k: v for k, v in want.items() if k != predicted}, rel=1e-6, abs=1e-9)
     assert all(predicted in r for r in rows)
     assert monitor.reset_events == expected["reset_events"]
     for param, weight in zip(model.parameters(), expected["weights"]):
-        assert torch.equal(param.detach(), weight)
+        torch.testing.assert_close(param.detach(), weight, rtol=1e-5, atol=1e-7)
     assert monitor.state_dict()["version"] == STATE_VERSION
 
 

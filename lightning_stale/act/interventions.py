@@ -198,8 +198,7 @@ class Interventions:
         units = [self.ledger.rows[i] for i in rows]
         writeback.take_over(u.param for u in units)
         self.ledger.set_weights(rows)
-        how = "stochastic rounding of the weights and moments" if writeback.moments == "stochastic" else \
-            "stochastic rounding"
+        how = writeback.describe()
         info(f"[lightning_stale] remedy: weight write-back with {how} from step {step + 1} for "
              f"{len(units)} parameter(s) whose stored weights stall (e.g. {self._name(units[0])!r}: {why[0]})")
 

@@ -363,6 +363,15 @@ class WeightWriteBack:
         """Whether the write-back takes over ``param``'s write (once it is stored below fp32)."""
         return self._chosen is None or id(param) in self._chosen
 
+    def describe(self) -> str:
+        """How the write-back writes, in words (for messages)."""
+        weights = "compensated summation" if self.rounding == "compensated" else f"{self.rounding} rounding"
+        if self.moments == "optimizer":
+            return weights
+        if self.rounding == self.moments:
+            return f"{weights} of the weights and moments"
+        return f"{weights} of the weights and {self.moments} rounding of the moments"
+
     @property
     def handled(self) -> int:
         """How many parameters the write-back takes over now (stored below fp32 and chosen)."""
@@ -733,7 +742,8 @@ class WeightWriteBack:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: buffers are copied into existing ones in place (or created on the parameter's
         device), so the continuation is bit-identical."""
-        if state_dict["rounding"] != self.rounding:
+        if state_dict["rounding"] != self.rounding and (state_dict["rounding"], self.rounding) != \
+                ("stochastic", "compensated"):  # a compensated write goes on from a zero residual; the reverse drops it
             raise ValueError(f"state_dict is for rounding {state_dict['rounding']!r}, this is {self.rounding!r}")
         self.seed = int(state_dict["seed"])
         params = self._params()
@@ -861,13 +871,15 @@ def _fp32_update(weights: list[Tensor], ms: list[Tensor], vs: list[Tensor], entr
         torch._foreach_mul_(weights, decays)
 
 
-def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: bool) -> WeightWriteBack | None:
+def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: bool,
+                  keeps_tensors: bool = True) -> WeightWriteBack | None:
     """The write-back a monitor attaches for its ``weights`` option: that rounding on every parameter stored below
     fp32 (``"<rounding>+moments"``: with torch.optim's moments computed here and rounded stochastically too); with the
-    automatic remedy and no choice (``None``), stochastic rounding, of torch.optim's moments too, on no parameter yet
-    (the remedy chooses). None where no parameter is stored below fp32, where ``weights="off"``, and where the
-    automatic remedy meets an optimizer the write-back does not support (a ``weights`` choice there is a configuration
-    error)."""
+    automatic remedy and no choice (``None``), on no parameter yet (the remedy chooses): compensated summation of the
+    weights where the front-end's checkpoints hold tensors (``keeps_tensors``) and the parameters are not sharded,
+    stochastic rounding elsewhere, and torch.optim's moments rounded stochastically. None where no parameter is stored
+    below fp32, where ``weights="off"``, and where the automatic remedy meets an optimizer the write-back does not
+    support (a ``weights`` choice there is a configuration error)."""
     params = [p for group in _unwrap(optimizer).param_groups for p in group["params"]]
     if weights == "off" or not any(p.dtype in LOW_PRECISION for p in params):
         return None
@@ -878,12 +890,17 @@ def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: b
                                    moments="stochastic" if moments else "optimizer")
         except ValueError as error:
             raise ValueError(f"`weights`={weights!r}: {error}") from error
-    if auto:
+    if not auto:
+        return None
+    try:
+        moments = "stochastic" if _family(_unwrap(optimizer)) == "torch" else "optimizer"
+    except ValueError:
+        return None
+    for rounding in ("compensated", "stochastic") if keeps_tensors else ("stochastic",):
         try:
-            own = _family(_unwrap(optimizer)) == "torch"
-            return WeightWriteBack(optimizer, "stochastic", params=(), moments="stochastic" if own else "optimizer")
-        except ValueError:
-            return None
+            return WeightWriteBack(optimizer, rounding, params=(), moments=moments)  # type: ignore[arg-type]
+        except ValueError:  # sharded parameters: no compensation buffers; an unsupported optimizer: none
+            continue
     return None
 
 

@@ -75,12 +75,15 @@ class StaleStateMonitor:
             and on which ``reset="drift"`` and the remedy read their signals (one host synchronisation each).
         options: a :class:`MonitorOptions`, or its fields as keyword arguments (``reset``, ``track``, ``remedy``,
             ...: documented there).
+        keeps_tensors: whether the checkpoints that hold :meth:`state_dict` can hold tensors (a front-end that saves
+            it as JSON passes False): ``remedy="auto"`` then writes weights with stochastic rounding, which keeps no
+            state, instead of compensated summation.
     """
 
     def __init__(self, optimizers: object | Sequence[object], reset: Any = None, *,
                  names: nn.Module | Mapping[str, Tensor] | None = None, reduce: Reduce | None = None,
                  coverage_steps: int = 50, steps_taken: int = 0, options: MonitorOptions | None = None,
-                 **kwargs: Any) -> None:
+                 keeps_tensors: bool = True, **kwargs: Any) -> None:
         if options is None:
             options = MonitorOptions.from_arguments("StaleStateMonitor", {"reset": reset, **kwargs})
         elif reset is not None or kwargs:
@@ -96,7 +99,8 @@ class StaleStateMonitor:
         if not sources:
             raise ValueError("StaleStateMonitor needs at least one optimizer (none was given)")
         self._names = ParamNames(names, len(sources))
-        self._pipelines = [self._attach(i, source, coverage_steps, steps_taken) for i, source in enumerate(sources)]
+        self._pipelines = [self._attach(i, source, coverage_steps, steps_taken, keeps_tensors)
+                           for i, source in enumerate(sources)]
 
     # -- queries -----------------------------------------------------------------------------------------------------
     @property
@@ -264,10 +268,12 @@ class StaleStateMonitor:
             self._pipelines[0].interventions.add_counts(previous.reset_events, previous.remedy_resets)
 
     # -- attaching and the error shield ------------------------------------------------------------------------------
-    def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int) -> OptimizerPipeline:
+    def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int,
+                keeps_tensors: bool) -> OptimizerPipeline:
         adapter = adapters.adapter_for(source, strict=self.options.strict)
         pipeline = OptimizerPipeline(adapter, index, self.options, self._collective, self._names,
-                                     self._notices.warn_once, self._listeners, coverage_steps, steps_taken)
+                                     self._notices.warn_once, self._listeners, coverage_steps, steps_taken,
+                                     keeps_tensors)
         optimizer = adapter.optimizer
         self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._shielded(pipeline.before_step,
                                                                                         pipeline)))

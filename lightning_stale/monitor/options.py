@@ -75,8 +75,10 @@ class MonitorOptions:
             (torch.optim Adam/AdamW only: stochastic rounding, and the write-back also computes the step's moments,
             which torch keeps in the parameter's dtype, in fp32 and stores them with stochastic rounding),
             ``"compensated+moments"`` (likewise, with the weights' compensation buffer instead), ``"off"``
-            (never), or ``None`` (default: off, unless ``remedy="auto"`` turns stochastic rounding on where the weights
-            stall, of torch.optim's moments too).
+            (never), or ``None`` (default: off, unless ``remedy="auto"`` takes over the weights that stall, with
+            compensated summation, 2 bytes per element taken over, and stochastic rounding of torch.optim's moments;
+            with stochastic rounding instead where the buffers could not be saved: sharded (FSDP2) parameters and the
+            Hugging Face front-end).
         drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"`` (default
             1.5).
         policy_args: arguments of a shortcut registered outside the package (with

@@ -42,11 +42,12 @@ class OptimizerPipeline:
         names: readable parameter names; ``warn``: one-time warnings; ``listeners``: the monitor's reset listeners.
         coverage_steps: every parameter is measured within this many measured steps; also the check interval.
         steps_taken: optimizer steps taken before the monitor attached.
+        keeps_tensors: whether the monitor's checkpoints hold tensors (the automatic remedy's compensated weights).
     """
 
     def __init__(self, adapter: OptimizerAdapter, index: int, options: MonitorOptions, collective: Collective,
                  names: ParamNames, warn: Callable[[str, str], None], listeners: list[ResetListener],
-                 coverage_steps: int, steps_taken: int) -> None:
+                 coverage_steps: int, steps_taken: int, keeps_tensors: bool) -> None:
         self.adapter, self.options, self.collective, self._names = adapter, options, collective, names
         self.policy, self.remedy, self.check_every = options.policy, options.remedy_rule, coverage_steps
         acts = self.remedy is not None or self.policy is not None  # check steps read underflow (they may reset)
@@ -63,7 +64,8 @@ class OptimizerPipeline:
                                            name=self.name)
         # The weight write-back registers its step hooks before the monitor's: its lr switch comes first, and the
         # monitor counts the weights it wrote.
-        self.writeback = writeback_for(adapter.optimizer, options.weights, auto=self.remedy is not None)
+        self.writeback = writeback_for(adapter.optimizer, options.weights, auto=self.remedy is not None,
+                                       keeps_tensors=keeps_tensors)
         self.auto_weights = self.writeback is not None and options.weights is None
         self._warn = warn
         self.steps = steps_taken  # real optimizer steps seen (restored from checkpoints)
