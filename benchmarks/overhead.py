@@ -18,7 +18,8 @@ in the same runs. At 160 tensors the model has 40 weights of 274 x 274 = 75,076 
 is 65,536): the 40-shape model of issue 23.
 
 The opt-in ``weights`` modes (with ``--precision bf16-true``) take the weight write over (``weights="stochastic"``,
-``"compensated"``, ``"stochastic+moments"``: torch.optim only). The write-back's own step hooks (and its write ahead of
+``"compensated"``, ``"stochastic+moments"`` and ``"compensated+moments"``: torch.optim only); the opt-in ``auto`` mode
+is ``remedy="auto"``, whose write-back takes over the parameters whose weights stall. The write-back's own step hooks (and its write ahead of
 bitsandbytes' 8-bit update, inside the closure) are timed too (their
 mean per step as a share of the no-callback step: the direct cost), beside its A/B cost: the step ratio of the
 weights mode less the default mode's (which includes what the write-back saves, e.g. torch's update of the parameters
@@ -77,7 +78,10 @@ MODES: dict[str, dict | None] = {
     "weights": {"weights": "stochastic"},
     "weights-compensated": {"weights": "compensated"},
     "weights-moments": {"weights": "stochastic+moments"},  # torch.optim only
+    "weights-compensated-moments": {"weights": "compensated+moments"},  # torch.optim only
+    "auto": {"remedy": "auto"},  # on bf16 weights: the write-back it attaches, over the parameters it takes over
 }
+TORCH_ONLY = ("weights-moments", "weights-compensated-moments")
 BATCH = 32
 clock = time.perf_counter  # --cpu-time: time.thread_time
 DEMO = DecoderConfig(dim=64, hidden=176)  # the long plan's decoder
@@ -100,9 +104,14 @@ def optimizers(device: str) -> dict[str, Callable[[list[nn.Parameter]], torch.op
 GUARD_ONLY = ("QuantizedAdamW fp8", "QuantizedAdamW bf16")  # in the default choice only with the guard mode
 
 
+def writes_weights(mode: str) -> bool:
+    """Whether a mode attaches the weight write-back (on bf16 weights)."""
+    return bool((MODES[mode] or {}).get("weights")) or (MODES[mode] or {}).get("remedy") == "auto"
+
+
 def applies(optimizer: str, mode: str) -> bool:
     """Whether a mode runs on an optimizer (the write-back computes torch.optim's moments only)."""
-    return mode != "weights-moments" or optimizer.startswith("torch")
+    return mode not in TORCH_ONLY or optimizer.startswith("torch")
 
 
 class Residual(L.LightningModule):
@@ -447,7 +456,7 @@ def main() -> None:
                                    for m in args.modes)
                       + f" | {100 * default['resident'] / default['state']:.2f}% "
                       f"({default['resident'] / 1024:.0f} KiB) |", flush=True)
-                for mode in (m for m in names if (MODES[m] or {}).get("weights")):
+                for mode in (m for m in names if writes_weights(m)):
                     hooks = [x["writeback"] for x in results[mode]]
                     writeback_rows.append(
                         f"| {opt_name} | {default['tensors']} | {mode} | {1e3 * statistics.median(hooks):.2f} | "

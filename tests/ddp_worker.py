@@ -112,9 +112,11 @@ def main(out: Path, reset: str, steps: int) -> None:
         # Per-rank samples see different underflow; only the agreed readings keep the guards (and m) identical.
         callback = RecordingCallback(remedy="auto", sample_size=512, seed=rank)
         model = TwoOptimizers(beta2=0.999)
-    elif reset == "weights":
-        # bf16 weights, per-rank samples: the write-back's stochastic rounding must not depend on the rank.
-        callback = RecordingCallback(weights="stochastic", sample_size=512, seed=rank)
+    elif reset in ("weights", "weights-auto"):
+        # bf16 weights, per-rank samples: the write-back's stochastic rounding must not depend on the rank, nor the
+        # automatic remedy's choices and compensation buffers (rank 0's are the ones a checkpoint keeps).
+        chosen = {"weights": "stochastic"} if reset == "weights" else {"remedy": "auto"}
+        callback = RecordingCallback(sample_size=512, seed=rank, **chosen)
         model = TwoOptimizers(beta2=0.999)
     else:
         # Theory resets need rho-hat >= 1: b2 = 0.995 (at 0.985 the settled 8-bit map has rho-hat
@@ -130,7 +132,7 @@ def main(out: Path, reset: str, steps: int) -> None:
     callback.add_reset_listener(on_reset)
     trainer = L.Trainer(
         strategy="ddp", devices=2, accelerator="cpu", max_steps=steps, default_root_dir=out,
-        precision="bf16-true" if reset == "weights" else "32-true",
+        precision="bf16-true" if reset.startswith("weights") else "32-true",
         logger=CSVLogger(out, name="csv", version=0), log_every_n_steps=1, callbacks=[callback],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
@@ -146,6 +148,8 @@ def main(out: Path, reset: str, steps: int) -> None:
         "local_totals": callback.local,
         "remedies": [[u.remedy for u in callback.monitor.rows(i)] for i in range(len(trainer.optimizers))],
         "underflow": [[u.underflow for u in callback.monitor.rows(i)] for i in range(len(trainer.optimizers))],
+        "compensation": [{str(i): tensor_hash(b) for i, b in sorted(t.writeback.compensation.items())}
+                         if t.writeback is not None else None for t in callback.monitor._pipelines],
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

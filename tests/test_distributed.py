@@ -26,7 +26,7 @@ from lightning_stale.vocab import MOMENTS, QUANTITIES
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 # Optimizer steps per rank (global_step); two optimizers step once per batch, so half as many batches.
-STEPS = {"adaptive": 60, "theory": 520, "auto": 60, "weights": 40}
+STEPS = {"adaptive": 60, "theory": 520, "auto": 60, "weights": 40, "weights-auto": 40}
 
 
 def run_worker(tmp_path: Path, reset: str) -> tuple[dict, dict, list[dict[str, str]]]:
@@ -149,12 +149,17 @@ def test_unsupported_sharded_setups_are_refused_with_a_clear_message(strategy, s
 
 
 @pytest.mark.slow
-def test_ddp_weight_write_back_writes_the_same_weights_on_every_rank(tmp_path):
+@pytest.mark.parametrize("kind", ["weights", "weights-auto"])
+def test_ddp_weight_write_back_writes_the_same_weights_on_every_rank(tmp_path, kind):
     """bf16-true DDP with ``weights="stochastic"`` and per-rank sample seeds: the rounding noise is keyed by step and
-    parameter, not by rank, so both ranks keep bit-identical weights and states."""
-    rank0, rank1, rows = run_worker(tmp_path, "weights")
+    parameter, not by rank, so both ranks keep bit-identical weights and states; with ``remedy="auto"`` (compensated
+    summation) both ranks also take over the same parameters and keep bit-identical compensation buffers, so the
+    buffers rank 0 saves are every rank's."""
+    rank0, rank1, rows = run_worker(tmp_path, kind)
     assert rank0["final_params"] == rank1["final_params"]
     assert rank0["final_state"] == rank1["final_state"]
+    assert rank0["compensation"] == rank1["compensation"]
+    assert all(c for c in rank0["compensation"]) == (kind == "weights-auto")
     taken = [float(r["stale/remedy/weights"]) for r in rows if r.get("stale/remedy/weights")]
     assert taken and taken[-1] == 4.0  # both Linear layers' weights and biases
     assert any(r.get("stale/w/frac") for r in rows)
