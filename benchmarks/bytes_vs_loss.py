@@ -2,7 +2,8 @@
 
 Bytes per parameter are weights + gradients (from their dtypes: fp32 4 + 4, bf16 2 + 2; bf16-mixed keeps fp32
 weights and gradients), plus the optimizer state measured in each run (``state_bytes_per_param`` in runs.json), plus
-the write-back's compensation buffer (2 bytes per bf16 parameter for ``weights="compensated"``). Losses are means over
+the write-back's compensation buffers (measured at the end of each run, ``weight_buffer_bytes_per_param``; runs
+saved before it was recorded count 2 bytes per bf16 parameter for the ``compensated`` rows). Losses are means over
 seeds; the difference to fp32 is paired by seed with its 95% interval; "recovered" is the share of the storage's
 gap to fp32 that the row closes, over the same seeds. Run on a merged long-plan runs.json:
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from lightning_stale.demo.stats import PairedDifference
 
-ROWS = (  # configuration, words, weight + gradient bytes, write-back buffer bytes
+ROWS = (  # configuration, words, weight + gradient bytes, write-back buffer bytes where runs.json has no measure
     ("fp32", "fp32 weights, torch AdamW (`32-true`)", 4 + 4, 0),
     ("torchmixed", "`bf16-mixed`, torch AdamW (fp32 weights and states)", 4 + 4, 0),
     ("torchmaster", "`bf16-true` compute, fp32 master weights and states (torch AdamW)", 2 + 2, 0),
@@ -38,14 +39,19 @@ ROWS = (  # configuration, words, weight + gradient bytes, write-back buffer byt
 def table(runs: list[dict]) -> str:
     loss: dict[str, dict[int, float]] = {}
     state: dict[str, float] = {}
+    buffers: dict[str, list[float]] = {}
     for run in runs:
         loss.setdefault(run["name"], {})[run["seed"]] = run["val_loss"]
         state[run["name"]] = run["state_bytes_per_param"]
+        if "weight_buffer_bytes_per_param" in run:
+            buffers.setdefault(run["name"], []).append(run["weight_buffer_bytes_per_param"])
     lines = ["| set-up | bytes / parameter | val loss, mean (seeds) | vs fp32, paired [95%] | recovered |",
              "|---|---|---|---|---|"]
     for name, words, weights, buffer in ROWS:
         if name not in loss:
             continue
+        if name in buffers:
+            buffer = statistics.fmean(buffers[name])
         seeds = sorted(s for s in loss[name] if s in loss["fp32"])
         diff = PairedDifference.of([loss[name][s] - loss["fp32"][s] for s in seeds])
         base = name.split("+")[0]

@@ -120,7 +120,7 @@ def _train(name: str, settings: DemoSettings, log_root: str) -> dict:
             "seconds": result.seconds, **{k: getattr(result, k) for k in (
                 "v_frac", "v_predicted", "v_drift", "v_underflow", "resets", "remedy_guard", "remedy_stochastic",
                 "remedy_reset", "w_frac", "remedy_weights",
-                "state_bytes_per_param")}}
+                "state_bytes_per_param", "weight_buffer_bytes_per_param")}}
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

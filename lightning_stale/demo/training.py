@@ -62,6 +62,7 @@ class RunResult:
     remedy_reset: float = math.nan
     w_frac: float = math.nan
     remedy_weights: float = math.nan
+    weight_buffer_bytes_per_param: float = 0.0  # the write-back's compensation buffers at the end of the run
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
@@ -183,6 +184,7 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
         state_bytes_per_param=optimizer_state_bytes(trainer.optimizers[0]) / n_params,
         seconds=seconds,
         log_dir=loggers[0].log_dir,
+        weight_buffer_bytes_per_param=callbacks[0].monitor.weight_buffer_bytes() / n_params,
         curves=curves,
     )
     for attr in ("v_frac", "v_predicted", "v_underflow", "w_frac"):

@@ -139,8 +139,12 @@ class StaleStateMonitor:
         """Memory the monitor keeps between steps, for budgeting: every tensor and array of its components (the
         optimizer state it reads is not counted)."""
         return sum(t.engine.resident_bytes() + t.forecast.resident_bytes() + t.ledger.resident_bytes()
-                   + t.interventions.resident_bytes() + (t.writeback.resident_bytes() if t.writeback else 0)
-                   for t in self._pipelines)
+                   + t.interventions.resident_bytes() for t in self._pipelines) + self.weight_buffer_bytes()
+
+    def weight_buffer_bytes(self) -> int:
+        """Of :meth:`resident_bytes`, the weight write-back's compensation buffers (2 bytes per bf16 element it
+        writes with compensated summation)."""
+        return sum(t.writeback.resident_bytes() for t in self._pipelines if t.writeback is not None)
 
     def reset_periods(self) -> dict[str, int | None]:
         """The reset period chosen for each parameter (by name), once its state exists."""
