@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_stale import _compat
+
 DEFAULT_MAX_BYTES = 4_000_000
 DEFAULT_CORPUS = Path(__file__).with_name("corpus") / "cpython-3.11.7-lib.txt.xz"
 # sha256 of the decompressed default corpus (CPython 3.11.7's Lib/*.py, first 4 MB; corpus/README.md)
@@ -48,9 +50,13 @@ def _text_files(folder: Path) -> list[Path]:
 
 
 def cpu_kernels() -> str:
-    """torch's CPU kernel set in use (``AVX512``, ``AVX2``, ``DEFAULT``...): the same corpus and seed give other
-    losses under another set (their reductions round differently), so reports name it beside the corpus."""
-    return torch.backends.cpu.get_cpu_capability()
+    """torch's CPU kernel set in use (``AVX512``, ``AVX2``, ``DEFAULT``...) and the bf16 matrix units beside it
+    (``AVX512 (AMX, AVX512-BF16)``): the same corpus and seed give other losses under another set (their reductions
+    round differently; one bf16-true seed ended 0.015 apart on two AVX-512 hosts), so reports name it beside the
+    corpus."""
+    units = _compat.cpu_bf16_units()
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{capability} ({', '.join(units)})" if units else capability
 
 
 def corpus_source(path: str | Path | None) -> str:
