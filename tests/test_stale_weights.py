@@ -108,6 +108,38 @@ def test_auto_takes_over_stalling_weights_and_logs_it(caplog, family, keeps_tens
     assert opt.param_groups[0]["lr"] == 1e-5
 
 
+def test_a_stochastic_auto_checkpoint_continues_under_compensated_auto_and_not_the_reverse():
+    """A checkpoint of the automatic remedy from a JSON front-end (stochastic rounding, no buffers) continues in one
+    that saves tensors (compensated summation from a zero residual, the same parameters taken over); the reverse
+    would drop the residuals and is refused, naming both roundings."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    monitor = StaleStateMonitor(opt, remedy="auto", names=model, keeps_tensors=False)
+    for seed in range(3):
+        _step(model, opt, torch.Generator().manual_seed(seed))
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "stale": monitor.state_dict()})
+    monitor.close()
+
+    resumed = _model()
+    resumed.load_state_dict(saved["model"])
+    opt = torch.optim.AdamW(resumed.parameters(), lr=1e-5)
+    opt.load_state_dict(saved["opt"])
+    monitor = StaleStateMonitor(opt, remedy="auto", names=resumed)
+    monitor.load_state_dict(saved["stale"])
+    writeback = monitor._pipelines[0].writeback
+    assert writeback.rounding == "compensated" and writeback.handled == 4
+    _step(resumed, opt, torch.Generator().manual_seed(3))
+    assert monitor.weight_buffer_bytes() == 2 * sum(p.numel() for p in resumed.parameters())
+    compensated = copy.deepcopy(monitor.state_dict())
+    monitor.close()
+
+    opt = torch.optim.AdamW(resumed.parameters(), lr=1e-5)
+    monitor = StaleStateMonitor(opt, remedy="auto", names=resumed, keeps_tensors=False)
+    with pytest.raises(ValueError, match="rounding 'compensated', this is 'stochastic'"):
+        monitor.load_state_dict(compensated)
+    monitor.close()
+
+
 def test_weights_choice_on_an_unsupported_optimizer_is_a_configuration_error():
     model = _model()
     with pytest.raises(ValueError, match="`weights`='stochastic'.*SGD"):
