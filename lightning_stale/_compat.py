@@ -244,18 +244,19 @@ def inductor_cxx() -> str | None:
 
 
 @lru_cache(maxsize=1)
-def cpu_bf16_units() -> list[str]:
+def cpu_bf16_units() -> tuple[str, ...]:
     """The CPU's bf16 matrix units that torch's kernels may use (``torch.cpu._is_*_supported``, private), which the
     kernel set's name does not tell apart. Empty where torch cannot tell."""
     import torch
 
     checks = (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
     try:
-        return [name for name, check in checks if getattr(torch.cpu, check, lambda: False)()]
+        return tuple(name for name, check in checks if getattr(torch.cpu, check, lambda: False)())
     except Exception:  # a changed private API: no detail, the kernel set alone
-        return []
+        return ()
 
 
+@lru_cache(maxsize=1)
 def compiler_available() -> bool:
     """Whether a C++ compiler for Inductor's CPU backend is on PATH (torch.compile on CPU needs one)."""
     candidates = [inductor_cxx(), "g++", "c++", "clang++"]
