@@ -328,7 +328,7 @@ class WeightWriteBack:
                 raise ValueError("params must be parameters of the optimizer")
         if self.family == "bnb":
             self._check_bnb_overrides()
-        if rounding == "compensated" and any(local_tensor(p) is not p for p in self._params()):
+        if rounding == "compensated" and _sharded(self._params()):
             raise ValueError("rounding='compensated' is not supported on sharded (DTensor, FSDP2) parameters: "
                              "Lightning's distributed checkpoint saves callback state from rank 0 only, so the other "
                              "ranks' compensation buffers would be lost on resume; use 'stochastic' (no state)")
@@ -871,6 +871,12 @@ def _fp32_update(weights: list[Tensor], ms: list[Tensor], vs: list[Tensor], entr
         torch._foreach_mul_(weights, decays)
 
 
+def _sharded(params: Iterable[Tensor]) -> bool:
+    """Whether any of ``params`` is a shard (DTensor, FSDP2): compensation buffers there would be saved from rank 0
+    only."""
+    return any(local_tensor(p) is not p for p in params)
+
+
 def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: bool,
                   keeps_tensors: bool = True) -> WeightWriteBack | None:
     """The write-back a monitor attaches for its ``weights`` option: that rounding on every parameter stored below
@@ -892,16 +898,12 @@ def writeback_for(optimizer: torch.optim.Optimizer, weights: str | None, auto: b
             raise ValueError(f"`weights`={weights!r}: {error}") from error
     if not auto:
         return None
+    rounding: Rounding = "compensated" if keeps_tensors and not _sharded(params) else "stochastic"
     try:
-        moments = "stochastic" if _family(_unwrap(optimizer)) == "torch" else "optimizer"
+        own = _family(_unwrap(optimizer)) == "torch"
+        return WeightWriteBack(optimizer, rounding, params=(), moments="stochastic" if own else "optimizer")
     except ValueError:
         return None
-    for rounding in ("compensated", "stochastic") if keeps_tensors else ("stochastic",):
-        try:
-            return WeightWriteBack(optimizer, rounding, params=(), moments=moments)  # type: ignore[arg-type]
-        except ValueError:  # sharded parameters: no compensation buffers; an unsupported optimizer: none
-            continue
-    return None
 
 
 def adam_ratio_bound(beta1: float, beta2: float, step: int) -> float:
