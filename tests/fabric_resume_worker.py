@@ -4,8 +4,9 @@ writes its weights, reset steps and logged rows. Run as a fresh process for each
     python tests/fabric_resume_worker.py OUT_DIR full [KIND]     # steps 1..TOTAL, saves at SAVE_AT
     python tests/fabric_resume_worker.py OUT_DIR resumed [KIND]  # loads OUT_DIR/ckpt (from `full`), SAVE_AT+1..TOTAL
 
-KIND: ``bnb`` (default; bitsandbytes AdamW8bit, fp32 weights) or ``bf16`` (a bf16-true model under torch AdamW with
-``weights="compensated"``).
+KIND: ``bnb`` (default; bitsandbytes AdamW8bit, fp32 weights), ``bf16`` (a bf16-true model under torch AdamW with
+``weights="compensated"``) or ``bf16auto`` (the same model with ``remedy="auto"``, which takes the weights over with
+compensated summation, instead of periodic resets).
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ class Rows(Logger):
 
 
 def main(out: Path, part: str, kind: str = "bnb") -> None:
-    bf16 = kind == "bf16"
-    callback = StaleStateFabricCallback(log_every_n_steps=LOG_EVERY, reset="periodic", every=10, warmup_steps=3,
-                                        weights="compensated" if bf16 else None)
+    bf16 = kind.startswith("bf16")
+    chosen = {"remedy": "auto"} if kind == "bf16auto" else \
+        {"reset": "periodic", "every": 10, "warmup_steps": 3, "weights": "compensated" if bf16 else None}
+    callback = StaleStateFabricCallback(log_every_n_steps=LOG_EVERY, **chosen)
     logger = Rows()
     fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[callback], loggers=logger,
                       precision="bf16-true" if bf16 else "32-true")
@@ -77,7 +79,7 @@ def main(out: Path, part: str, kind: str = "bnb") -> None:
     torch.save([p.detach().clone() for p in model.parameters()], out / f"{part}_weights.pt")
     monitor = next(iter(callback.monitors.values()))
     (out / f"{part}.json").write_text(json.dumps({"resets": resets, "rows": logger.rows,
-                                                  "compensation_bytes": monitor.resident_bytes()}))
+                                                  "compensation_bytes": monitor.weight_buffer_bytes()}))
 
 
 if __name__ == "__main__":

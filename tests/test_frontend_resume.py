@@ -94,19 +94,22 @@ def test_hugging_face_refuses_compensated_weights_it_could_only_save_as_json(wei
         StaleStateHFCallback(weights=weights)
 
 
-@pytest.mark.parametrize("kind", ["bnb", "bf16"])
+@pytest.mark.parametrize("kind", ["bnb", "bf16", "bf16auto"])
 def test_fabric_resume_in_a_new_process_equals_the_uninterrupted_run(tmp_path, kind):
     """bnb: 8-bit states with periodic resets; bf16: a bf16-true model whose weights the compensated write-back
-    writes (its buffers travel in ``fabric.save``; without them the resumed weights differ)."""
+    writes (its buffers travel in ``fabric.save``; without them the resumed weights differ); bf16auto: the same model
+    under ``remedy="auto"``, which takes the weights over with compensated summation (choices and buffers resume)."""
     worker = Path(__file__).with_name("fabric_resume_worker.py")
     for part in ("full", "resumed"):
         subprocess.run([sys.executable, str(worker), str(tmp_path), part, kind], check=True, timeout=300)
     full = json.loads((tmp_path / "full.json").read_text())
     resumed = json.loads((tmp_path / "resumed.json").read_text())
-    assert full["resets"] == [10, 20, 30, 40]
-    if kind == "bf16":
-        assert full["rows"][-1]["stale/remedy/weights"] > 0 and full["compensation_bytes"] > 0
-    assert resumed["resets"] == [40]  # the optimizer's step count, not the loop's first resumed step
+    if kind.startswith("bf16"):  # every bf16 element taken over: 2 bytes each
+        assert full["rows"][-1]["stale/remedy/weights"] > 0 and full["compensation_bytes"] == 2 * (32 * 256 + 256 +
+                                                                                                   256 * 8 + 8)
+    periodic = kind != "bf16auto"
+    assert full["resets"] == ([10, 20, 30, 40] if periodic else [])
+    assert resumed["resets"] == ([40] if periodic else [])  # the optimizer's step count, not the loop's first step
     assert resumed["rows"] == [row for row in full["rows"] if row["step"] > 30]  # stale/resets included
     for ours, theirs in zip(torch.load(tmp_path / "resumed_weights.pt"), torch.load(tmp_path / "full_weights.pt")):
         assert torch.equal(ours, theirs)
