@@ -19,12 +19,12 @@ is 65,536): the 40-shape model of issue 23.
 
 The opt-in ``weights`` modes (with ``--precision bf16-true``) take the weight write over (``weights="stochastic"``,
 ``"compensated"``, ``"stochastic+moments"`` and ``"compensated+moments"``: torch.optim only); the opt-in ``auto`` mode
-is ``remedy="auto"``, whose write-back takes over the parameters whose weights stall. The write-back's own step hooks (and its write ahead of
-bitsandbytes' 8-bit update, inside the closure) are timed too (their
-mean per step as a share of the no-callback step: the direct cost), beside its A/B cost: the step ratio of the
-weights mode less the default mode's (which includes what the write-back saves, e.g. torch's update of the parameters
-whose moments it computes). ``--model demo`` trains the demo decoder of the long plan instead (dim 64, hidden 176,
-17 tensors, 133k parameters; batch 16 x 64 bytes): the model of the issue's 10% target.
+is ``remedy="auto"``, whose write-back takes over the parameters whose weights stall. The write-back's own step hooks
+and its step of the parameters it takes over (inside the closure) are timed too (their mean per step as a share of
+the no-callback step: the direct cost), beside its A/B cost: the step ratio of the weights mode less the default
+mode's (which includes what the write-back saves: the optimizer's own update of the parameters it takes over).
+``--model demo`` trains the demo decoder of the long plan instead (dim 64, hidden 176, 17 tensors, 133k parameters;
+batch 16 x 64 bytes).
 
 Memory: the engine's resident bytes (device tensors kept between steps, plus host arrays) against the optimizer's
 state bytes, for the timed models and for ~12M-parameter models (memory only; residual models). Run:
@@ -61,7 +61,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stale import StaleStateCallback, StaleStateMonitor
 from lightning_stale.act.guard import GuardPlan
-from lightning_stale.act.weights import WeightWriteBack
+from lightning_stale.act.writeback import WeightWriteBack
 from lightning_stale.demo.model import Decoder, DecoderConfig
 from lightning_stale.monitor.pipeline import OptimizerPipeline
 from lightning_stale.optim import QuantizedAdamW
@@ -183,7 +183,7 @@ class TimedCallback(StaleStateCallback):
         self.writeback: list[float] = []  # per batch
         self._update_start = 0.0
         self._guard_run = GuardPlan.run
-        self._writeback_hooks = WeightWriteBack._pre_hook, WeightWriteBack._post_hook, WeightWriteBack._write_ahead
+        self._writeback_hooks = WeightWriteBack._pre_hook, WeightWriteBack._post_hook, WeightWriteBack._write
 
     def _timed(self, function, *args):
         start = clock()
@@ -198,12 +198,12 @@ class TimedCallback(StaleStateCallback):
         return out
 
     def on_train_start(self, trainer, pl_module):
-        # the write-back registers its hooks when the monitor attaches, next; bitsandbytes' 8-bit weights are
-        # written between them, right after the closure
+        # the write-back registers its hooks when the monitor attaches, next; its step runs between them, right
+        # after the closure
         pre, post, ahead = self._writeback_hooks
         WeightWriteBack._pre_hook = lambda wb, *args: self._timed_writeback(pre, wb, *args)
         WeightWriteBack._post_hook = lambda wb, *args: self._timed_writeback(post, wb, *args)
-        WeightWriteBack._write_ahead = lambda wb: self._timed_writeback(ahead, wb)
+        WeightWriteBack._write = lambda wb: self._timed_writeback(ahead, wb)
         super().on_train_start(trainer, pl_module)
         before, after = OptimizerPipeline.before_step, OptimizerPipeline.after_step
 
@@ -225,7 +225,7 @@ class TimedCallback(StaleStateCallback):
 
     def on_train_end(self, trainer, pl_module):
         GuardPlan.run = self._guard_run
-        WeightWriteBack._pre_hook, WeightWriteBack._post_hook, WeightWriteBack._write_ahead = self._writeback_hooks
+        WeightWriteBack._pre_hook, WeightWriteBack._post_hook, WeightWriteBack._write = self._writeback_hooks
         OptimizerPipeline.before_step, OptimizerPipeline.after_step = self._hooks
         super().on_train_end(trainer, pl_module)
 

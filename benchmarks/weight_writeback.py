@@ -1,28 +1,148 @@
-"""Cost of the weight write-back against a bf16-true training step of the demo decoder, side by side in one run.
+"""The weight write-back's cost, side by side with the peers in one process.
 
-Two identical bf16 models, one with plain ``torch.optim.AdamW`` and one with the same optimizer plus
-:class:`WeightWriteBack`, step alternately on the same batches; the medians of the whole training step (forward,
-backward, optimizer step) give the ratio ``(with - plain) / plain``. The write-back's own post-hook is also timed
-directly, between two timing hooks registered around it, as a ratio of the plain step (less noisy on a shared
-machine). Run: ``python benchmarks/weight_writeback.py``.
+``--part step`` (default): the optimizer step alone on bf16 parameters of LLaMA-shaped stacks (per layer q, k, v, o,
+gate, up, down and two norms; plus embedding, final norm and output) at about 66, 291 and 1020 tensors of the same
+total size, fixed random gradients, configurations alternating in rounds (the order rotating), one thread. Each
+configuration's time is the median over rounds of its step time divided by torch ``AdamW(foreach=True)``'s in the same
+round (nearest rounding on the same parameters): torch fused; torch with the monitor alone and with each ``weights``
+mode (``"compensated+moments"`` is what ``remedy="auto"`` writes on torch.optim); torch-optimi ``AdamW(kahan_sum=True)``
+(foreach and its default); torchao ``AdamW(bf16_stochastic_round=True)``; bitsandbytes ``AdamW8bit`` without and with
+the compensated write (what ``remedy="auto"`` writes there). The first steps (compiles) are excluded. torch-optimi and
+torchao are optional (``pip install torch-optimi torchao``): a line says when one is absent.
+
+``--part train``: the long plan's training step (the demo decoder, 17 tensors, bf16-true, batch 16 x 64 bytes):
+plain, with the monitor, and with the monitor and ``remedy="auto"`` once it has taken every weight over, for torch
+AdamW and bitsandbytes AdamW8bit; medians of alternating steps, as ratios to plain. Run::
+
+    python benchmarks/weight_writeback.py --rounds 30
+    python benchmarks/weight_writeback.py --part train --steps 200
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import logging
+import platform
 import statistics
 import time
+import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from lightning_stale.act.weights import ROUNDINGS, WeightWriteBack
+from lightning_stale import StaleStateMonitor
 from lightning_stale.demo.model import Decoder, DecoderConfig
+
+TOTAL = 12_200_000  # elements of every stack
+LAYERS = {66: 7, 291: 32, 1020: 113}  # tensors -> layers (9 per layer, plus 3)
+REFERENCE = "torch AdamW foreach (nearest)"
+
+
+def llama_shapes(layers: int, total: int = TOTAL) -> list[tuple[int, ...]]:
+    """The parameter shapes of a LLaMA-like stack with ``layers`` layers, its width chosen for ``total`` elements."""
+    def shapes(dim: int) -> list[tuple[int, ...]]:
+        hidden, vocab = (dim * 8 // 3 + 7) // 8 * 8, 2048
+        layer = [(dim, dim)] * 4 + [(hidden, dim), (hidden, dim), (dim, hidden), (dim,), (dim,)]
+        return [(vocab, dim)] + layer * layers + [(dim,), (vocab, dim)]
+
+    dim = 8
+    while sum(torch.Size(s).numel() for s in shapes(dim + 8)) <= total:
+        dim += 8
+    return shapes(dim)
+
+
+def parameters(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
+    """bf16 parameters of ``shapes`` with fixed random gradients (the same for every configuration)."""
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).bfloat16())
+        p.grad = (torch.randn(shape, generator=gen) * 1e-3).bfloat16()
+        params.append(p)
+    return params
+
+
+def step_configurations() -> dict[str, Callable[[list[torch.nn.Parameter]], Callable[[], None]]]:
+    """name -> (parameters -> one step), each on its own copy of the parameters."""
+    def torch_adamw(**kw):
+        return lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, **kw).step
+
+    def monitored(weights: str | None):
+        def make(ps):
+            opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=True)
+            make.monitor = StaleStateMonitor(opt, weights=weights)  # kept alive with the closure
+            return opt.step
+        return make
+
+    out = {REFERENCE: torch_adamw(foreach=True), "torch AdamW fused": torch_adamw(fused=True),
+           "torch AdamW + monitor": monitored(None)}
+    for weights in ("stochastic", "compensated", "stochastic+moments", "compensated+moments"):
+        out[f"torch AdamW + weights={weights!r}" + (" (auto)" if weights == "compensated+moments" else "")] = \
+            monitored(weights)
+    if importlib.util.find_spec("optimi") is not None:
+        import optimi
+
+        out["torch-optimi AdamW kahan_sum, foreach"] = \
+            lambda ps: optimi.AdamW(ps, lr=1e-3, weight_decay=0.1, kahan_sum=True, foreach=True).step
+        out["torch-optimi AdamW kahan_sum"] = lambda ps: optimi.AdamW(ps, lr=1e-3, weight_decay=0.1,
+                                                                       kahan_sum=True).step
+    else:
+        print("torch-optimi is not installed: its rows are left out (pip install torch-optimi)")
+    if importlib.util.find_spec("torchao") is not None:
+        import torchao.optim
+
+        # torchao 0.18 keeps its plain AdamW (the one with bf16_stochastic_round) as _AdamW
+        AoAdamW = getattr(torchao.optim, "AdamW", None) or torchao.optim._AdamW  # noqa: N806
+
+        out["torchao AdamW bf16_stochastic_round"] = \
+            lambda ps: AoAdamW(ps, lr=1e-3, weight_decay=0.1, bf16_stochastic_round=True).step
+    else:
+        print("torchao is not installed: its row is left out (pip install torchao)")
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        import bitsandbytes as bnb
+
+        def bnb_monitored(ps):
+            opt = bnb.optim.AdamW8bit(ps, lr=1e-3, weight_decay=0.1)
+            bnb_monitored.monitor = StaleStateMonitor(opt, weights="compensated")
+            return opt.step
+
+        out["bnb AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3, weight_decay=0.1).step
+        out["bnb AdamW8bit + weights='compensated' (auto)"] = bnb_monitored
+    return out
+
+
+def run_steps(tensors: int, rounds: int, warmup: int) -> dict[str, float]:
+    shapes = llama_shapes(LAYERS[tensors])
+    base = parameters(shapes)
+    steps = {name: make([torch.nn.Parameter(p.detach().clone()) for p in base])
+             for name, make in step_configurations().items()}
+    grads = [p.grad for p in base]  # every configuration steps its own copies of the same gradients
+    for step in steps.values():
+        params = [p for g in step.__self__.param_groups for p in g["params"]]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+    seconds: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(warmup + rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            start = time.perf_counter()
+            steps[name]()
+            if r >= warmup:
+                seconds[name].append(time.perf_counter() - start)
+    ratios = {name: statistics.median(t / ref for t, ref in zip(seconds[name], seconds[REFERENCE]))
+              for name in names}
+    ratios["_reference_ms"] = 1e3 * statistics.median(seconds[REFERENCE])
+    ratios["_elements"] = sum(torch.Size(s).numel() for s in shapes)
+    ratios["_tensors"] = len(shapes)
+    return ratios
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
-    """One bf16-true step (forward, backward, optimizer step); returns its wall time in seconds."""
+    """One bf16-true step (forward, backward, optimizer step); its wall time in seconds."""
     start = time.perf_counter()
     opt.zero_grad(set_to_none=True)
     logits = model(tokens[:, :-1])
@@ -31,41 +151,64 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounding", choices=ROUNDINGS, default="stochastic")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=True)
-    args = parser.parse_args()
-    torch.manual_seed(0)
+def run_train(steps: int) -> None:
+    import bitsandbytes as bnb
+
     config = DecoderConfig(dim=64, hidden=176, context=64, n_layers=2, n_heads=4)
-    plain = Decoder(config).to(torch.bfloat16)
-    taken = copy.deepcopy(plain)
-    opt_plain = torch.optim.AdamW(plain.parameters(), lr=2e-3, foreach=args.foreach)
-    opt_taken = torch.optim.AdamW(taken.parameters(), lr=2e-3, foreach=args.foreach)
-    hook_times: list[float] = []
-    opt_taken.register_step_post_hook(lambda *_: hook_times.append(-time.perf_counter()))  # runs before the write
-    writeback = WeightWriteBack(opt_taken, args.rounding)
-    opt_taken.register_step_post_hook(lambda *_: hook_times.append(hook_times.pop() + time.perf_counter()))
-    gen = torch.Generator().manual_seed(1)
-    times: dict[str, list[float]] = {"plain": [], "writeback": []}
-    for step in range(args.steps + 5):
-        tokens = torch.randint(0, config.vocab_size, (args.batch, config.context + 1), generator=gen)
-        pair = (("plain", plain, opt_plain), ("writeback", taken, opt_taken))
-        for name, model, opt in pair if step % 2 else pair[::-1]:
-            elapsed = train_step(model, opt, tokens)
-            if step >= 5:  # warm-up steps excluded
-                times[name].append(elapsed)
-    plain_ms, taken_ms = (1e3 * statistics.median(times[k]) for k in ("plain", "writeback"))
-    hook_ms = 1e3 * statistics.median(hook_times[5:])
-    params = sum(p.numel() for p in plain.parameters())
-    print(f"demo decoder {params:,} bf16 parameters, batch {args.batch}, context {config.context}, "
-          f"torch AdamW foreach={args.foreach}, rounding {args.rounding}, {torch.get_num_threads()} threads")
-    print(f"median step: plain {plain_ms:.2f} ms, with write-back {taken_ms:.2f} ms, "
-          f"ratio {(taken_ms - plain_ms) / plain_ms:+.1%}")
-    print(f"write-back post-hook: median {hook_ms:.2f} ms, {hook_ms / plain_ms:.1%} of the plain step")
-    writeback.close()
+    for label, make in (("torch AdamW", lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=0.1)),
+                        ("bnb AdamW8bit", lambda p: bnb.optim.AdamW8bit(p, lr=2e-3, weight_decay=0.1,
+                                                                        min_8bit_size=128))):
+        torch.manual_seed(0)
+        plain = Decoder(config).to(torch.bfloat16)
+        models = {"plain": plain, "monitor": copy.deepcopy(plain), "monitor + auto": copy.deepcopy(plain)}
+        opts = {name: make(m.parameters()) for name, m in models.items()}
+        monitors = [StaleStateMonitor(opts["monitor"]), StaleStateMonitor(opts["monitor + auto"], remedy="auto")]
+        writeback = monitors[1]._pipelines[0].writeback
+        writeback.take_over(models["monitor + auto"].parameters())  # what auto reaches within its first checks
+        gen = torch.Generator().manual_seed(1)
+        times: dict[str, list[float]] = {name: [] for name in models}
+        names = list(models)
+        for step in range(steps + 10):
+            tokens = torch.randint(0, config.vocab_size, (16, config.context + 1), generator=gen)
+            for name in names[step % 3:] + names[:step % 3]:
+                elapsed = train_step(models[name], opts[name], tokens)
+                if step >= 10:
+                    times[name].append(elapsed)
+        plain_ms = 1e3 * statistics.median(times["plain"])
+        print(f"| {label} | {plain_ms:.2f} ms | " + " | ".join(
+            f"{statistics.median(t / p for t, p in zip(times[n], times['plain'])):.3f}"
+            for n in ("monitor", "monitor + auto")) + f" | {writeback.handled} |")
+        for monitor in monitors:
+            monitor.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("step", "train"), default="step")
+    parser.add_argument("--tensors", type=int, nargs="+", default=sorted(LAYERS), choices=sorted(LAYERS))
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning_stale").setLevel(logging.WARNING)
+    print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {platform.processor() or '?'}, "
+          f"{torch.get_num_threads()} thread(s)")
+    if args.part == "train":
+        print("| optimizer | plain step | monitor / plain | monitor + auto / plain | tensors taken over |")
+        print("|---|---|---|---|---|")
+        run_train(args.steps)
+        return
+    results = {n: run_steps(n, args.rounds, args.warmup) for n in args.tensors}
+    header = [f"{r['_tensors']} tensors, {r['_elements'] / 1e6:.1f}M" for r in results.values()]
+    print("| configuration | " + " | ".join(header) + " |")
+    print("|---" * (len(header) + 1) + "|")
+    for name in (k for k in next(iter(results.values())) if not k.startswith("_")):
+        cells = [f"{r[name]:.2f}" + (f" ({r['_reference_ms']:.0f} ms)" if name == REFERENCE else "")
+                 for r in results.values()]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

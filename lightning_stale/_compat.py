@@ -263,6 +263,104 @@ def compiler_available() -> bool:
     return any(name and shutil.which(name) for name in candidates)
 
 
+COMPILE_MIN_NUMEL = 1 << 16  # the package's kernels compile for at least this many elements (a compile costs seconds)
+
+
+def compiles(numel: int, device: Any) -> bool:
+    """Whether a kernel over ``numel`` elements on ``device`` should run ``torch.compile``d: large enough to repay the
+    compile, and a compiler for the device (Triton on accelerators, a C++ compiler on CPU)."""
+    return numel >= COMPILE_MIN_NUMEL and (getattr(device, "type", device) != "cpu" or compiler_available())
+
+
+def _vectorized_bitcast(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Inductor's CPU vector code for a same-width bit cast (``Tensor.view(dtype)`` of an intermediate) as
+    ``at::vec::cast`` per vector (a register reinterpretation) where torch's own goes element by element through
+    memory; ``original`` for every other cast."""
+    from torch._inductor.codegen.cpp_utils import DTYPE_TO_CPP
+    from torch._inductor.virtualized import V
+
+    def to_dtype_bitcast(x: Any, dtype: Any, src_dtype: Any) -> Any:
+        kernel = V.kernel
+        vectors = kernel._get_num_vectors(dtype)
+        if dtype.itemsize != src_dtype.itemsize or vectors != kernel._get_num_vectors(src_dtype):
+            return original(x, dtype, src_dtype)
+        target = DTYPE_TO_CPP[dtype]
+        if vectors == 1:
+            return f"at::vec::cast<{target}>({x})"
+        parts = ", ".join(f"at::vec::cast<{target}>({x}[{i}])" for i in range(vectors))
+        return f"at::vec::VectorizedN<{target},{vectors}>({parts})"
+
+    return to_dtype_bitcast
+
+
+@contextmanager
+def multi_tensor_compile(recompile_limit: int = 64) -> Iterator[None]:
+    """The settings under which the package's multi-tensor kernels compile (entered around their calls; it only
+    matters when one compiles): casts to bf16/fp16 kept as written (Inductor otherwise drops an fp32 -> bf16 -> fp32
+    round trip, and with it a compensated residual), no duck shaping (tensors of equal sizes in one call do not make a
+    graph that needs them equal), room for one graph per group length, dtype and variant (dynamo's
+    ``recompile_limit``), and vectorized same-width bit casts on CPU (the stochastic rounding's, otherwise scalar and
+    most of the kernel's time). Private
+    configuration of torch; where one is missing the kernels still compile, slower or more often."""
+    import torch._dynamo.config as dynamo_config
+
+    undo: list[Callable[[], None]] = []
+
+    def set_attribute(owner: Any, name: str, value: Any) -> None:
+        if hasattr(owner, name):  # a class keeps its raw attribute (a staticmethod stays one when restored)
+            previous = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+            setattr(owner, name, value)
+            undo.append(lambda: setattr(owner, name, previous))
+
+    try:
+        import torch.fx.experimental._config as fx_config
+
+        set_attribute(fx_config, "use_duck_shape", False)
+    except ImportError:  # pragma: no cover - moved config
+        pass
+    set_attribute(dynamo_config, "recompile_limit",
+                  max(recompile_limit, getattr(dynamo_config, "recompile_limit", recompile_limit)))
+    try:
+        import torch._inductor.config as inductor_config
+
+        set_attribute(inductor_config, "emulate_precision_casts", True)  # a bf16 rounding is kept, not elided
+    except ImportError:  # pragma: no cover - torch without Inductor
+        pass
+    try:
+        from torch._inductor.codegen import cpp
+
+        overrides = cpp.CppVecOverrides
+        if not getattr(overrides.to_dtype_bitcast, "_lightning_stale", False):
+            patched = _vectorized_bitcast(overrides.to_dtype_bitcast)
+            patched._lightning_stale = True  # type: ignore[attr-defined]
+            set_attribute(overrides, "to_dtype_bitcast", staticmethod(patched))
+    except (ImportError, AttributeError):  # pragma: no cover - moved codegen: scalar bit casts, same bits
+        pass
+    try:
+        yield
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
+def bnb_dequantize_blockwise(codes: Any, absmax: Any, qmap: Any, block: int) -> Any:
+    """bitsandbytes' block-wise 8-bit ``codes`` as fp32 values, with the op its own optimizer step uses
+    (``torch.ops.bitsandbytes.dequantize_blockwise``, registered per device)."""
+    import torch
+
+    return torch.ops.bitsandbytes.dequantize_blockwise(codes, absmax, qmap, block, torch.float32)
+
+
+def bnb_quantize_blockwise_into(values: Any, qmap: Any, block: int, codes: Any, absmax: Any) -> None:
+    """fp32 ``values`` stored into bitsandbytes' block-wise ``codes`` and their ``absmax`` in place, with the op its
+    own optimizer step uses (``torch.ops.bitsandbytes.quantize_blockwise``)."""
+    import torch
+
+    new_codes, new_absmax = torch.ops.bitsandbytes.quantize_blockwise(values, qmap, block)
+    codes.copy_(new_codes.view(codes.shape))
+    absmax.copy_(new_absmax.view(absmax.shape))
+
+
 def hf_exportable_state() -> type:
     """transformers' ``ExportableState`` (callbacks whose ``state()`` is saved in ``trainer_state.json``), or a plain
     base class on versions without it (their checkpoints then carry no callback state)."""

@@ -19,6 +19,15 @@ QUANTITIES: tuple[str, ...] = (*MOMENTS, WEIGHT)
 
 Rounding = Literal["nearest", "stochastic"]
 ROUNDINGS: tuple[Rounding, ...] = ("nearest", "stochastic")
+# How the weight write-back stores a weight: a state rounding, or compensated summation (a residual buffer beside it).
+WeightRounding = Literal["nearest", "stochastic", "compensated"]
+WEIGHT_ROUNDINGS: tuple[WeightRounding, ...] = (*ROUNDINGS, "compensated")
+# The monitors' ``weights`` option: off, or the write-back's weight rounding; "<rounding>+moments" also rounds the
+# moments it writes in the parameter's dtype (torch.optim's bf16/fp16 states) stochastically instead of to nearest.
+WEIGHT_WRITES: tuple[str, ...] = ("off", "stochastic", "compensated", "stochastic+moments", "compensated+moments")
+# The optimizer-state key of a parameter's compensation buffer (its weight's rounding residual, in its dtype): not a
+# moment; every front-end's optimizer checkpoint carries it.
+COMPENSATION_KEY = "lightning_stale.compensation"
 
 T = TypeVar("T")
 

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stale import ResetEvent, StaleStateCallback
 from lightning_stale.monitor.metrics import PER_MOMENT
-from lightning_stale.vocab import QUANTITIES
+from lightning_stale.vocab import COMPENSATION_KEY, QUANTITIES
 from lightning_stale.policies import AdaptiveReset
 
 
@@ -148,8 +148,9 @@ def main(out: Path, reset: str, steps: int) -> None:
         "local_totals": callback.local,
         "remedies": [[u.remedy for u in callback.monitor.rows(i)] for i in range(len(trainer.optimizers))],
         "underflow": [[u.underflow for u in callback.monitor.rows(i)] for i in range(len(trainer.optimizers))],
-        "compensation": [{str(i): tensor_hash(b) for i, b in sorted(t.writeback.compensation.items())}
-                         if t.writeback is not None else None for t in callback.monitor._pipelines],
+        "compensation": [{str(i): tensor_hash(opt.state[p][COMPENSATION_KEY])
+                          for i, p in enumerate(q for g in opt.param_groups for q in g["params"])
+                          if COMPENSATION_KEY in opt.state[p]} for opt in trainer.optimizers],
     }
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -28,6 +28,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_stale.vocab import COMPENSATION_KEY as KEY
+
 from lightning_stale import StaleStateCallback
 from lightning_stale._compat import shard_flat_start
 
@@ -146,6 +148,9 @@ def main(out: Path, kind: str, steps: int, resume: str | None) -> None:
         "steps": callback.monitor.steps,
         "writeback": [t.writeback.describe() if t.writeback else None for t in callback.monitor._pipelines],
         "taken_over": [t.writeback.handled if t.writeback else 0 for t in callback.monitor._pipelines],
+        # the compensation buffers in this rank's optimizer state: (type, elements of this rank's shard) per parameter
+        "buffers": [(type(s[KEY]).__name__, local(s[KEY]).numel())
+                    for s in (trainer.optimizers[0].state[p] for p in params) if KEY in s],
     }
     (out / f"{'resumed' if resume else 'full'}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

@@ -71,12 +71,12 @@ def test_fsdp2_resume_mid_cycle_is_exact(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["torch-wsr", "torch-wsrm"])
+@pytest.mark.parametrize("kind", ["torch-wsrm", "torch-wkahan"])
 def test_fsdp2_weight_write_back_writes_each_shard_and_resumes_exactly(tmp_path, kind):
-    """``weights="stochastic"`` on FSDP2 bf16 shards: each rank writes its own shard (noise keyed by the element's
-    place in the whole parameter: rank 1's shards start where rank 0's end), the weights differ from nearest
-    rounding's, and a resume mid-run ends on bit-identical shards; likewise with ``"stochastic+moments"`` (the
-    gradients hidden from torch's step are DTensors, the moments written are this rank's shards)."""
+    """The write-back on FSDP2 bf16 shards: each rank writes its own shard (noise keyed by the element's place in the
+    whole parameter: rank 1's shards start where rank 0's end), the weights differ from nearest rounding's, and a
+    resume mid-run through the distributed checkpoint ends on bit-identical shards, states and (``"compensated"``)
+    compensation buffers, which live in the optimizer's state as DTensors sharded like their parameters."""
     nearest = launch(tmp_path / "nearest", "torch")
     full = launch(tmp_path, kind)
     resumed = launch(tmp_path, kind, resume=tmp_path / "ckpt" / "epoch=0-step=8.ckpt")
@@ -86,28 +86,26 @@ def test_fsdp2_weight_write_back_writes_each_shard_and_resumes_exactly(tmp_path,
     for n, f, r in zip(nearest, full, resumed):
         assert f["weights"] != n["weights"]  # the write-back wrote these shards
         assert r["weights"] == f["weights"] and r["final_state"] == f["final_state"]
+        assert f["buffers"] == r["buffers"] == ([["DTensor", size] for size in f["shard_sizes"]]
+                                                 if kind == "torch-wkahan" else [])
     weights_taken = [row for row in csv.DictReader((tmp_path / "csv" / "version_0" / "metrics.csv").open())
                      if row.get("stale/remedy/weights")]
     assert weights_taken and all(float(row["stale/remedy/weights"]) == 6 for row in weights_taken)
 
 
 @pytest.mark.slow
-def test_fsdp2_auto_writes_sharded_weights_with_stochastic_rounding_and_resumes_exactly(tmp_path):
-    """``remedy="auto"`` on FSDP2 bf16 shards: no compensated summation (its buffers would be saved from rank 0
-    only), stochastic rounding of weights and moments instead, which keeps no state; both ranks take over the same
-    parameters and a resume mid-run ends on bit-identical shards."""
+def test_fsdp2_auto_writes_sharded_weights_with_compensated_summation_and_resumes_exactly(tmp_path):
+    """``remedy="auto"`` on FSDP2 bf16 shards: compensated summation, its buffers in each rank's optimizer state (the
+    distributed checkpoint saves and loads every rank's shards); both ranks take over the same parameters and a
+    resume mid-run ends on bit-identical shards, states and buffers."""
     full = launch(tmp_path, "torch-auto")
     resumed = launch(tmp_path, "torch-auto", resume=tmp_path / "ckpt" / "epoch=0-step=8.ckpt")
     assert full[0]["taken_over"] == full[1]["taken_over"] == resumed[0]["taken_over"] == resumed[1]["taken_over"]
     for f, r in zip(full, resumed):
-        assert f["writeback"] == r["writeback"] == ["stochastic rounding of the weights and moments"]
+        assert f["writeback"] == r["writeback"] == [
+            "compensated summation of the weights and stochastic rounding of the moments"]
         assert r["weights"] == f["weights"] and r["final_state"] == f["final_state"]
+        assert f["buffers"] == [["DTensor", size] for size in f["shard_sizes"]]
     taken = [row["stale/remedy/weights"] for row in csv.DictReader((tmp_path / "csv" / "version_0" / "metrics.csv")
                                                                    .open()) if row.get("stale/remedy/weights")]
     assert taken and float(taken[-1]) > 0
-
-
-@pytest.mark.slow
-def test_fsdp2_refuses_compensated_weights_whose_buffers_rank_zero_alone_would_save(tmp_path):
-    stderr = launch(tmp_path, "torch-wkahan", expect_failure=True)
-    assert "rounding='compensated' is not supported on sharded (DTensor, FSDP2) parameters" in stderr

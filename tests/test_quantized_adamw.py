@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_stale.formats import FORMAT_NAMES, get_format
-from lightning_stale.formats.base import NOISE_BITS, counter_bits
+from lightning_stale.formats.noise import NOISE_BITS, counter_bits
 from lightning_stale.optim import QuantizedAdamW
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale.act import guard
-from lightning_stale.act.weights import WeightWriteBack
+from lightning_stale.act.writeback import WeightWriteBack
 from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
 from lightning_stale.decide.ledger import Ledger, LedgerRow
 from lightning_stale.decide.remedies import GUARD, GUARD_CHECKS, NONE, RESET, STOCHASTIC, Remedy

@@ -18,7 +18,8 @@ import torch
 from lightning_stale import _compat
 from lightning_stale.adapters.protocol import MOMENTS, Moment, OptimizerAdapter, Slot
 
-__all__ = ["ENTRY_POINT_GROUP", "MOMENTS", "Moment", "OptimizerAdapter", "Slot", "adapter_for", "register_adapter"]
+__all__ = ["ENTRY_POINT_GROUP", "MOMENTS", "Moment", "OptimizerAdapter", "Slot", "adapter_for", "inner_optimizer",
+           "register_adapter"]
 
 ENTRY_POINT_GROUP = "lightning_stale.adapters"
 
@@ -79,6 +80,16 @@ def unwrap(optimizer: object) -> object:
     return _compat.unwrap_lightning_optimizer(optimizer)
 
 
+def inner_optimizer(optimizer: object) -> object:
+    """The optimizer that ``optimizer`` stands for: Lightning's wrapper stripped, and wrappers that hold one as
+    ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, DeepSpeed's) followed down to a registered class."""
+    _load_registrations()
+    inner = unwrap(optimizer)
+    while _lookup(inner) is None and isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = unwrap(inner.optimizer)
+    return inner
+
+
 def adapter_for(optimizer: object, strict: bool = True) -> OptimizerAdapter:
     """The adapter for ``optimizer`` (a torch optimizer, a ``LightningOptimizer`` or a DeepSpeed-style wrapper with
     an ``.optimizer`` attribute).
@@ -86,10 +97,7 @@ def adapter_for(optimizer: object, strict: bool = True) -> OptimizerAdapter:
     With ``strict=False`` an unknown optimizer gets the generic adapter (every tensor in its state is a slot) and a
     warning; with ``strict=True`` it raises TypeError.
     """
-    _load_registrations()
-    inner = unwrap(optimizer)
-    while _lookup(inner) is None and isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
-        inner = unwrap(inner.optimizer)
+    inner = inner_optimizer(optimizer)
     adapter_cls = _lookup(inner)
     if adapter_cls is not None:
         return adapter_cls(inner)

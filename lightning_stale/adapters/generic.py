@@ -21,6 +21,7 @@ from torch import Tensor
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.layouts import FLOAT_FORMATS, FloatSlot
 from lightning_stale.adapters.protocol import Moment, OptimizerAdapter, Slot, resolve_moments
+from lightning_stale.vocab import COMPENSATION_KEY
 
 _SECOND_MOMENT = re.compile(r"sq|var|nu|second", re.IGNORECASE)
 
@@ -31,7 +32,7 @@ def guess_moment(key: str) -> Moment:
 
 
 def _is_state_tensor(key: str, value: object) -> bool:
-    return (key != "step" and isinstance(value, Tensor) and value.dim() > 0
+    return (key not in ("step", COMPENSATION_KEY) and isinstance(value, Tensor) and value.dim() > 0
             and (value.is_floating_point() or not (value.is_complex() or value.dtype == torch.bool)))
 
 
@@ -72,7 +73,7 @@ class GenericAdapter(OptimizerAdapter):
             for key, value in state.items():
                 if _is_state_tensor(key, value):
                     guessed.add(f"{key}->{guess_moment(key)}")
-                elif key != "step":
+                elif key not in ("step", COMPENSATION_KEY):
                     untouched.add(f"{key} ({_kind(value)})")
         guessed -= self._announced
         untouched -= self._announced

@@ -27,6 +27,7 @@ from lightning_stale import _compat
 from lightning_stale.adapters import bnb_layout
 from lightning_stale.adapters.layouts import BlockFp8Slot, BlockQmapSlot, FloatSlot
 from lightning_stale.adapters.protocol import Moment, Slot
+from lightning_stale.vocab import COMPENSATION_KEY
 
 BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state_dict nests its quantization state
 CHECKPOINT = ("an optimizer state_dict or a checkpoint holding one (a Lightning .ckpt, a torch.save'd dict, a Hugging "
@@ -74,6 +75,7 @@ class SavedOptimizer:
     params: list[SavedParam]
     idents: list[int | str]  # every parameter of the param groups, in order, with state or not
     groups: list[Mapping[str, Any]]
+    compensated: int = 0  # parameters with a weight write-back compensation buffer (not a moment: no slot)
 
 
 def is_optimizer_state(value: Any) -> bool:
@@ -91,14 +93,16 @@ def read_optimizer(state_dict: Any, shapes: Mapping[int, tuple[int, ...]] | None
     groups = list(state_dict["param_groups"])
     idents = [pid for group in groups for pid in group.get("params", [])]
     group_of = {pid: group for group in groups for pid in group.get("params", [])}
-    entries = {pid: _flat(entry) for pid, entry in state_dict["state"].items() if isinstance(entry, Mapping) and entry}
+    saved = {pid: entry for pid, entry in state_dict["state"].items() if isinstance(entry, Mapping) and entry}
+    compensated = sum(1 for entry in saved.values() if COMPENSATION_KEY in entry)
+    entries = {pid: entry for pid, entry in ((pid, _flat(entry)) for pid, entry in saved.items()) if entry}
     reader = _reader(entries, groups)
     params = []
     for index, pid in enumerate(idents):
         entry = entries.get(pid, entries.get(str(pid)))  # a distributed checkpoint turns integer keys into strings
         if entry is not None:
             params.append(reader.read_param(index, entry, group_of[pid], (shapes or {}).get(index)))
-    return SavedOptimizer(reader.family, params, idents, groups)
+    return SavedOptimizer(reader.family, params, idents, groups, compensated)
 
 
 Entries = Mapping[Any, Mapping[str, Any]]  # a state_dict's per-parameter entries (bitsandbytes' nesting merged in)
@@ -150,9 +154,12 @@ def _by_family(family: str) -> SavedReader:
 
 
 def _flat(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """A parameter's saved entry with bitsandbytes' nested quantization state merged in."""
+    """A parameter's saved entry with bitsandbytes' nested quantization state merged in, without the weight
+    write-back's compensation buffer (the optimizer's state, but no moment)."""
     nested = entry.get(BNB_NESTED_KEY)
-    return {**entry, **nested} if isinstance(nested, Mapping) else dict(entry)
+    flat = {**entry, **nested} if isinstance(nested, Mapping) else dict(entry)
+    flat.pop(COMPENSATION_KEY, None)
+    return flat
 
 
 def _is_torchao(value: Any) -> bool:

@@ -124,6 +124,7 @@ class OptimizerReport:
     betas: list[float] | None
     params: list[ParamRow]
     monitor: dict[str, Any] | None = None  # source, policy, steps, reset events, remedy resets
+    compensated: int = 0  # parameters whose weights the write-back keeps by compensated summation
 
 
 @dataclass
@@ -167,7 +168,7 @@ def build_report(path: str, s0: float = 0.6, trusted: bool = False) -> Report:
         betas = saved.groups[0].get("betas") if saved.groups else None
         reports.append(OptimizerReport(i, saved.family, len(saved.idents),
                                        [float(b) for b in betas] if betas is not None else None, rows,
-                                       _monitor_summary(part)))
+                                       _monitor_summary(part), saved.compensated))
     return Report(str(path), checkpoint.kind, checkpoint.step, s0, names_note, reports, list(checkpoint.notes))
 
 
@@ -292,6 +293,8 @@ def render(report: Report, top: int = 20) -> list[str]:
         family = "QuantizedAdamW (lightning_stale)" if o.family == "lightning_stale" else o.family
         lines.append(f"  optimizer {o.index}: {family}, {o.parameters} parameters ({with_state} with state){step}"
                      f"{betas}")
+        if o.compensated:
+            lines.append(f"    weight write-back: compensation buffers for {o.compensated} parameter(s)")
         if o.monitor is not None:
             m = o.monitor
             policy = "no reset policy" if m["policy"] in (None, "None") else f"policy {m['policy']}"

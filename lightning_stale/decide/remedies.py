@@ -85,9 +85,9 @@ class AutoRemedy(Remedy):
         drift_rho: rho-hat from which nearest rounding is predicted to make v drift.
         rounding_noise: the largest stationary noise of stochastic rounding (relative std of v) for which it is
             chosen before any measurement (see :meth:`foresee`).
-        weight_stall: the weight write-back (compensated summation, or stochastic rounding where its buffers cannot be
-            saved: see :func:`~lightning_stale.act.weights.writeback_for`) takes over a bf16/fp16 weight where more
-            than this share of its elements stalls: predicted (past the threshold at the current lr) or measured.
+        weight_stall: the weight write-back (compensated summation: see
+            :func:`~lightning_stale.act.writeback.writeback_for`) takes over a bf16/fp16 weight where more than this
+            share of its elements stalls: predicted (past the threshold at the current lr) or measured.
     """
 
     def __init__(self, drift_band: float = 1.5, min_interval: int = 50, moments: Sequence[str] = MOMENTS,

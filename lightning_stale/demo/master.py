@@ -15,7 +15,9 @@ from collections.abc import Callable
 import torch
 from torch.optim.adam import adam
 
-from lightning_stale.act.weights import noise_bits, stochastic_round
+from lightning_stale.act.writeback.kernels import noise, noise_keys, step_key
+from lightning_stale.formats.floats import on_grid
+from lightning_stale.formats.noise import NOISE_MASK
 
 STORAGES = ("fp32", "stochastic")  # fp32: exact; stochastic: the parameter's dtype, rounded stochastically
 
@@ -41,7 +43,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
         self.weights, self.moments, self.seed = weights, moments, seed
 
     def _round(self, x: torch.Tensor, dtype: torch.dtype, step: int, index: int) -> torch.Tensor:
-        return stochastic_round(x, dtype, noise_bits(x.numel(), self.seed, step, index, x.device).view(x.shape))
+        where = torch.tensor([index], dtype=torch.int32, device=x.device)
+        keys = noise_keys(step_key(self.seed, step), where, torch.zeros_like(where))[0]
+        return on_grid(x.float(), dtype, noise(x, keys) & NOISE_MASK).to(dtype)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

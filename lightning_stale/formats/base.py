@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_stale.formats.noise import NOISE_BITS
 from lightning_stale.vocab import check_rounding
 
 
@@ -27,32 +28,11 @@ class QuantizedState:
     shape: torch.Size
 
 
-NOISE_BITS = 16  # stochastic rounding noise: uniform integers in [0, 2^16), exact as fp32 fractions k / 2^16
-_MASK32 = (1 << 32) - 1
-
-
 def random_bits(like: Tensor, generator: torch.Generator | None) -> Tensor:
     """Uniform int32 noise in [0, 2^NOISE_BITS) shaped like ``like``, drawn from ``generator`` (a private one if
     None), never from the global RNG."""
     generator = generator or private_generator()
     return torch.randint(0, 1 << NOISE_BITS, like.shape, generator=generator, device=like.device, dtype=torch.int32)
-
-
-def _mix(x: Tensor, multiplier: int) -> Tensor:
-    """One xorshift-multiply round of a 32-bit hash held in int64 (multiplier < 2^31, so no overflow), in place."""
-    return x.bitwise_xor_(x >> 16).mul_(multiplier).bitwise_and_(_MASK32)
-
-
-def counter_bits(keys: Tensor, numel: int) -> tuple[Tensor, Tensor]:
-    """Two independent noise tensors like :func:`random_bits` for ``numel`` elements, from one 32-bit hash of each
-    element's index keyed by two 32-bit ``keys`` (int64, shape (2,)). Integer ops only, so an eager and a
-    torch.compile'd step draw identical noise, and inside a compiled step it costs no memory pass. Products stay
-    below 2^63 (no overflow)."""
-    x = torch.arange(numel, dtype=torch.int64, device=keys.device).add_(keys[0]).bitwise_and_(_MASK32)
-    x = _mix(x, 0x7FEB352D).bitwise_xor_(keys[1])
-    x = _mix(_mix(x, 0x2C1B3C6D), 0x297A2D39)
-    x = x.bitwise_xor_(x >> 15)
-    return (x >> 16).to(torch.int32), x.bitwise_and_(0xFFFF).to(torch.int32)
 
 
 def uniform_from_bits(bits: Tensor) -> Tensor:

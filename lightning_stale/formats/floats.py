@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_stale.formats.base import NOISE_BITS, QuantizedState, StateFormat
+from lightning_stale.formats.base import QuantizedState, StateFormat
+from lightning_stale.formats.noise import NOISE_BITS
 
 
 def float_ulp(a: Tensor, mantissa_bits: int, min_exponent: int) -> Tensor:
@@ -38,6 +39,21 @@ def stochastic_round_float(
     bits = noise.reshape(x.shape) << shift if shift >= 0 else noise.reshape(x.shape) >> -shift
     rounded = (shifted.view(torch.int32) + bits).bitwise_and_(-(1 << dropped)).view(torch.float32)
     return torch.copysign(torch.where(small, rounded - offset, rounded), x)
+
+
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def on_grid(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
+    """fp32 ``x`` stochastically rounded onto the grid of ``dtype`` (bf16 or fp16), still in fp32 (the caller's copy
+    into ``dtype`` is then exact), saturating at its largest finite value; ``noise``: int32 in [0, 2^NOISE_BITS)
+    shaped like ``x``. bf16 adds the noise below its mantissa in the fp32 bit pattern and truncates (torchao's
+    ``_fp32_to_bf16_sr``); fp16 goes through :func:`stochastic_round_float` for its subnormals."""
+    if dtype == torch.bfloat16:
+        bits = x.clamp(-_BF16_MAX, _BF16_MAX).view(torch.int32) + (noise >> (NOISE_BITS - 16))
+        return (bits & -65536).view(torch.float32)
+    return stochastic_round_float(x, 10, -14, _FP16_MAX, noise)
 
 
 def round_up_float(target: Tensor, dtype: torch.dtype) -> Tensor:
@@ -114,11 +130,7 @@ class Bf16Format(FloatFormat):
     def _round(self, x: Tensor, noise: Tensor | None) -> Tensor:
         if noise is None:
             return x.to(torch.bfloat16)
-        # Add a random 16-bit integer to the fp32 bit pattern and drop the low 16 bits: rounds away from zero with
-        # probability (low bits) / 2^16, exactly the stochastic-rounding probability (torchao's _fp32_to_bf16_sr).
-        x = x.clamp(-self.max_value, self.max_value)
-        bits = x.view(torch.int32) + (noise.reshape(x.shape) >> (NOISE_BITS - 16))
-        return bits.bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
+        return on_grid(x, torch.bfloat16, noise.reshape(x.shape)).to(torch.bfloat16)
 
 
 class Fp16Format(FloatFormat):

@@ -8,6 +8,7 @@ logs the monitor's row through the LightningModule logging path at the Trainer's
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from lightning_stale.decide.remedies import Remedy
 from lightning_stale.monitor import metrics
 from lightning_stale.monitor.monitor import StaleStateMonitor
 from lightning_stale.monitor.options import MonitorOptions
+from lightning_stale.vocab import COMPENSATION_KEY
 
 
 class StaleStateCallback(Callback):
@@ -131,6 +133,7 @@ class StaleStateCallback(Callback):
             raise MisconfigurationException("StaleStateCallback needs at least one optimizer (none was configured)")
         if "ModelParallel" in type(trainer.strategy).__name__:
             _check_sharded_optimizers(trainer.optimizers)
+            _load_compensation(trainer, pl_module)
         previous = self.monitor
         self.monitor = StaleStateMonitor(
             trainer.optimizers, options=self.options, names=pl_module,
@@ -207,6 +210,28 @@ def _require_trainer(trainer: object) -> None:
         raise MisconfigurationException(
             "StaleStateCallback is the Lightning Trainer's front-end; with Lightning Fabric pass "
             "lightning_stale.fabric.StaleStateFabricCallback(...) to Fabric(callbacks=...) instead")
+
+
+def _load_compensation(trainer: Trainer, pl_module: LightningModule) -> None:
+    """The weight write-back's compensation buffers of a distributed checkpoint being resumed, loaded into the
+    optimizers' state: ModelParallelStrategy loads optimizer state into a template it builds before this callback
+    attaches (and the write-back creates them), so the template leaves them out. Every rank loads its shards."""
+    path = trainer.ckpt_path
+    if not path or not os.path.isdir(path):
+        return
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    saved = FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    names = {id(p): name for name, p in pl_module.named_parameters()}
+    for index, optimizer in enumerate(trainer.optimizers):
+        wanted = {}
+        for param in (p for group in optimizer.param_groups for p in group["params"]):
+            name = names.get(id(param))
+            state = optimizer.state.get(param)
+            if name is not None and state and f"optimizer_{index}.state.{name}.{COMPENSATION_KEY}" in saved:
+                wanted[name] = {COMPENSATION_KEY: state.setdefault(COMPENSATION_KEY, torch.zeros_like(param))}
+        if wanted:
+            load({f"optimizer_{index}": {"state": wanted}}, checkpoint_id=os.fspath(path))
 
 
 def _check_sharded_optimizers(optimizers: list) -> None:

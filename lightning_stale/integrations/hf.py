@@ -10,9 +10,7 @@ reporters, so use :func:`add_stale_callback` (it puts the callback first) to rea
     add_stale_callback(trainer, reset="theory")
     trainer.train()                                   # or trainer.train(resume_from_checkpoint=...)
 
-``weights="compensated"`` is refused here (its buffers, 2 bytes per bf16 parameter, would go into the JSON file
-below); ``weights="stochastic"`` keeps no such state, and ``remedy="auto"`` writes the weights it takes over with
-stochastic rounding here (compensated summation in the other front-ends).
+The weight write-back's compensation buffers live in the optimizer's state, so ``optimizer.pt`` carries them.
 
 Checkpoints: the callback is an ``ExportableState``, so every checkpoint's ``trainer_state.json`` holds the monitor's
 state (``stateful_callbacks``), and ``train(resume_from_checkpoint=...)`` continues its reset schedule, ages, counters
@@ -41,15 +39,6 @@ class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
 
     def __init__(self, **options: Any) -> None:
         self.options = MonitorOptions.from_arguments(type(self).__name__, options)
-        if (self.options.weights or "").startswith("compensated"):
-            # Hugging Face keeps callback state only in trainer_state.json: 2 bytes per parameter of compensation
-            # buffers would be written there as JSON numbers at every checkpoint, and a resume without them is not
-            # the same run.
-            raise ValueError(f"StaleStateHFCallback: weights={self.options.weights!r} keeps a buffer per bf16 "
-                             "parameter that the "
-                             "Hugging Face Trainer can only checkpoint as JSON in trainer_state.json; use "
-                             "weights='stochastic' (no state; what remedy='auto' uses here), 'off' or None here, or the "
-                             "Lightning/Fabric front-ends, which save the buffers with the checkpoint")
         self.arguments = options
         self.monitor: StaleStateMonitor | None = None
         self.saved_state: dict[str, Any] | None = None  # a checkpoint's monitor state (JSON form) to start from
@@ -68,7 +57,7 @@ class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
         # resume, the checkpoint's; transformers' own restore, if enabled, has set saved_state instead.
         saved = self.saved_state or _saved_attributes(state, type(self).__name__).get("saved_state")
         self.monitor = StaleStateMonitor(optimizer, options=self.options, names=model,
-                                         coverage_steps=max(1, int(args.logging_steps)), keeps_tensors=False)
+                                         coverage_steps=max(1, int(args.logging_steps)))
         if saved:
             self.monitor.load_state_dict(from_json(saved))
         self.saved_state = None

@@ -75,15 +75,12 @@ class StaleStateMonitor:
             and on which ``reset="drift"`` and the remedy read their signals (one host synchronisation each).
         options: a :class:`MonitorOptions`, or its fields as keyword arguments (``reset``, ``track``, ``remedy``,
             ...: documented there).
-        keeps_tensors: whether the checkpoints that hold :meth:`state_dict` can hold tensors (a front-end that saves
-            it as JSON passes False): ``remedy="auto"`` then writes weights with stochastic rounding, which keeps no
-            state, instead of compensated summation.
     """
 
     def __init__(self, optimizers: object | Sequence[object], reset: Any = None, *,
                  names: nn.Module | Mapping[str, Tensor] | None = None, reduce: Reduce | None = None,
                  coverage_steps: int = 50, steps_taken: int = 0, options: MonitorOptions | None = None,
-                 keeps_tensors: bool = True, **kwargs: Any) -> None:
+                 **kwargs: Any) -> None:
         if options is None:
             options = MonitorOptions.from_arguments("StaleStateMonitor", {"reset": reset, **kwargs})
         elif reset is not None or kwargs:
@@ -99,7 +96,7 @@ class StaleStateMonitor:
         if not sources:
             raise ValueError("StaleStateMonitor needs at least one optimizer (none was given)")
         self._names = ParamNames(names, len(sources))
-        self._pipelines = [self._attach(i, source, coverage_steps, steps_taken, keeps_tensors)
+        self._pipelines = [self._attach(i, source, coverage_steps, steps_taken)
                            for i, source in enumerate(sources)]
 
     # -- queries -----------------------------------------------------------------------------------------------------
@@ -139,12 +136,12 @@ class StaleStateMonitor:
         """Memory the monitor keeps between steps, for budgeting: every tensor and array of its components (the
         optimizer state it reads is not counted)."""
         return sum(t.engine.resident_bytes() + t.forecast.resident_bytes() + t.ledger.resident_bytes()
-                   + t.interventions.resident_bytes() for t in self._pipelines) + self.weight_buffer_bytes()
+                   + t.interventions.resident_bytes() for t in self._pipelines)
 
     def weight_buffer_bytes(self) -> int:
-        """Of :meth:`resident_bytes`, the weight write-back's compensation buffers (2 bytes per bf16 element it
-        writes with compensated summation)."""
-        return sum(t.writeback.resident_bytes() for t in self._pipelines if t.writeback is not None)
+        """The weight write-back's compensation buffers, which live in the optimizers' state (2 bytes per element of
+        each bf16 parameter under compensated summation; not part of :meth:`resident_bytes`)."""
+        return sum(t.writeback.buffer_bytes() for t in self._pipelines if t.writeback is not None)
 
     def reset_periods(self) -> dict[str, int | None]:
         """The reset period chosen for each parameter (by name), once its state exists."""
@@ -272,12 +269,10 @@ class StaleStateMonitor:
             self._pipelines[0].interventions.add_counts(previous.reset_events, previous.remedy_resets)
 
     # -- attaching and the error shield ------------------------------------------------------------------------------
-    def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int,
-                keeps_tensors: bool) -> OptimizerPipeline:
+    def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int) -> OptimizerPipeline:
         adapter = adapters.adapter_for(source, strict=self.options.strict)
         pipeline = OptimizerPipeline(adapter, index, self.options, self._collective, self._names,
-                                     self._notices.warn_once, self._listeners, coverage_steps, steps_taken,
-                                     keeps_tensors)
+                                     self._notices.warn_once, self._listeners, coverage_steps, steps_taken)
         optimizer = adapter.optimizer
         self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._shielded(pipeline.before_step,
                                                                                         pipeline)))

@@ -13,14 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from lightning_stale.act.weights import WEIGHT_WRITES
 from lightning_stale.decide import policies
 from lightning_stale.decide import registry
 from lightning_stale.decide import remedies
 from lightning_stale.decide.policies import ResetPolicy
 from lightning_stale.decide.remedies import Remedy
 from lightning_stale.monitor import metrics
-from lightning_stale.vocab import check_choice, check_flag, check_int, invalid
+from lightning_stale.vocab import WEIGHT_WRITES, check_choice, check_flag, check_int, invalid
 
 TRACK_MODES = ("sample", "exact")
 V_RESETS = ("bounded", "exact-unbounded")
@@ -68,17 +67,15 @@ class MonitorOptions:
         remedy: ``"auto"`` or a :class:`~lightning_stale.decide.remedies.Remedy`: per parameter, the remedy its measured
             cause calls for (see :mod:`lightning_stale.decide.remedies`), logged as ``<prefix>/remedy/...``. It chooses
             resets itself, so it cannot be combined with ``reset``.
-        weights: the weight write of parameters stored below fp32 (bf16, fp16) on Adam-family optimizers, taken over
-            so that updates smaller than half the weight's grid gap are not rounded away (see
-            :mod:`lightning_stale.act.weights`): ``"stochastic"`` (stochastic rounding, no memory), ``"compensated"``
-            (a compensation buffer in the parameter's dtype, saved with the monitor), ``"stochastic+moments"``
-            (torch.optim Adam/AdamW only: stochastic rounding, and the write-back also computes the step's moments,
-            which torch keeps in the parameter's dtype, in fp32 and stores them with stochastic rounding),
-            ``"compensated+moments"`` (likewise, with the weights' compensation buffer instead), ``"off"``
-            (never), or ``None`` (default: off, unless ``remedy="auto"`` takes over the weights that stall, with
-            compensated summation, 2 bytes per element taken over, and stochastic rounding of torch.optim's moments;
-            with stochastic rounding instead where the buffers could not be saved: sharded (FSDP2) parameters and the
-            Hugging Face front-end).
+        weights: the step of parameters stored below fp32 (bf16, fp16), taken over by the weight write-back (see
+            :mod:`lightning_stale.act.writeback`; torch.optim Adam/AdamW/SGD, bitsandbytes Adam/AdamW/Lion,
+            ``QuantizedAdamW``) so that updates smaller than half the weight's grid gap are not rounded away: it
+            computes the step in fp32 and writes the weight with ``"stochastic"`` rounding (no memory) or
+            ``"compensated"`` summation (a residual buffer in the parameter's dtype, 2 bytes per element, in the
+            optimizer's state, so every checkpoint carries it); ``"<rounding>+moments"`` also rounds the moments it
+            writes in the parameter's dtype (torch.optim's) stochastically instead of to nearest; ``"off"`` (never),
+            or ``None`` (default: off, unless ``remedy="auto"`` takes over the weights that stall, with compensated
+            summation and stochastic rounding of torch.optim's moments).
         drift_band: allowed ratio of stored v to its fp32 EMA for ``reset="drift"`` and ``remedy="auto"`` (default
             1.5).
         policy_args: arguments of a shortcut registered outside the package (with

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from lightning_stale.act.interventions import Interventions, ResetListener
-from lightning_stale.act.weights import writeback_for
+from lightning_stale.act.writeback import writeback_for
 from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.decide import weight_theory
 from lightning_stale.decide.forecast import StallForecast, to_host
@@ -42,12 +42,11 @@ class OptimizerPipeline:
         names: readable parameter names; ``warn``: one-time warnings; ``listeners``: the monitor's reset listeners.
         coverage_steps: every parameter is measured within this many measured steps; also the check interval.
         steps_taken: optimizer steps taken before the monitor attached.
-        keeps_tensors: whether the monitor's checkpoints hold tensors (the automatic remedy's compensated weights).
     """
 
     def __init__(self, adapter: OptimizerAdapter, index: int, options: MonitorOptions, collective: Collective,
                  names: ParamNames, warn: Callable[[str, str], None], listeners: list[ResetListener],
-                 coverage_steps: int, steps_taken: int, keeps_tensors: bool) -> None:
+                 coverage_steps: int, steps_taken: int) -> None:
         self.adapter, self.options, self.collective, self._names = adapter, options, collective, names
         self.policy, self.remedy, self.check_every = options.policy, options.remedy_rule, coverage_steps
         acts = self.remedy is not None or self.policy is not None  # check steps read underflow (they may reset)
@@ -62,10 +61,9 @@ class OptimizerPipeline:
                                            warmup_steps=options.warmup_steps,
                                            exact_v_reset=options.v_reset == "exact-unbounded", listeners=listeners,
                                            name=self.name)
-        # The weight write-back registers its step hooks before the monitor's: its lr switch comes first, and the
-        # monitor counts the weights it wrote.
-        self.writeback = writeback_for(adapter.optimizer, options.weights, auto=self.remedy is not None,
-                                       keeps_tensors=keeps_tensors)
+        # The weight write-back registers its step hooks before the monitor's: its post-step hook gives the gradients
+        # back first, and the monitor counts the weights it wrote.
+        self.writeback = writeback_for(adapter.optimizer, options.weights, auto=self.remedy is not None)
         self.auto_weights = self.writeback is not None and options.weights is None
         self._warn = warn
         self.steps = steps_taken  # real optimizer steps seen (restored from checkpoints)
@@ -210,8 +208,8 @@ class OptimizerPipeline:
         if not units:
             return
         groups = self.optimizer.param_groups
-        real = [self.writeback.real_lr(g) if self.writeback is not None else g["lr"] for g in groups]
-        lr_of = {id(p): float(lr) for g, lr in zip(groups, real) for p in g["params"]}
+        lrs = [g["lr"] for g in groups]
+        lr_of = {id(p): float(lr) for g, lr in zip(groups, lrs) for p in g["params"]}
         slots = [next(s for s in u.slots if s.moment == WEIGHT) for u in units]
         samples = [self.engine.tracked[u.position].sample for u in units]
         readings = to_host([weight_theory.threshold(s, sample, lr_of[id(u.param)])
@@ -223,7 +221,7 @@ class OptimizerPipeline:
         path, every = None, 1
         if self.schedule is not None:
             scheduler, last_step, every = self.schedule
-            path = lr_path(scheduler, -(-max(0, last_step - step) // every), real)
+            path = lr_path(scheduler, -(-max(0, last_step - step) // every), lrs)
             group = next(i for i, g in enumerate(groups) if any(p is units[0].param for p in g["params"]))
             path = None if path is None else path[:, group]
         info(weight_report([s.format for s in slots], share.tolist(), stop, lr, path, step, every))
@@ -270,7 +268,7 @@ class OptimizerPipeline:
         self.forecast.reset_window(self.engine.entries)
 
     def close(self) -> None:
-        """Remove the write-back's hooks (restoring the real lr)."""
+        """Remove the write-back's hooks."""
         if self.writeback is not None:
             self.writeback.close()
 

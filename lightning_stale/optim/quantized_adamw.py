@@ -31,12 +31,11 @@ from lightning_stale.formats import (
     check_rounding,
     get_format,
 )
-from lightning_stale.formats.base import counter_bits
+from lightning_stale.formats.noise import counter_bits
 from lightning_stale.vocab import MOMENTS, Moment, check_choice, check_moments
 
 _KEYS = {"m": ("exp_avg", "exp_avg_scale", "step_m"), "v": ("exp_avg_sq", "exp_avg_sq_scale", "step_v")}
 _GENERATOR_KEY = "generator_state"
-COMPILE_MIN_NUMEL = 1 << 16  # compile=None compiles the step of parameters at least this large
 
 
 def _format_names(state_format: object) -> dict[str, str]:
@@ -67,7 +66,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
         count_stalls: count unchanged codes per parameter and moment during each step (exact counts for your own
             analysis; off by default, and not needed by the monitor, which samples the stored codes itself).
         compile: fuse each parameter's step with ``torch.compile`` (Inductor CPU/GPU kernels, a one-off compile of
-            ~10-20 s per format pair and rounding); None compiles parameters with at least ``COMPILE_MIN_NUMEL``
+            ~10-20 s per format pair and rounding); None compiles parameters with at least ``_compat.COMPILE_MIN_NUMEL``
             elements when a C++ compiler is on PATH, except table-rounded formats (``StateFormat.table_rounded``:
             int8_dynamic, fp4) with nearest rounding on CPU, whose eager step is faster. Compiled and eager steps
             give the same codes and the same stochastic-rounding stream (noise hashed from per-step keys drawn from
@@ -205,20 +204,24 @@ class QuantizedAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
+        self._stall_counts = {}  # before the closure: a step written inside it (the weight write-back) counts too
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._stall_counts = {}
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 if param.grad.is_sparse:
                     raise RuntimeError("QuantizedAdamW does not support sparse gradients")
-                self._step_param(param, group)
+                self.step_parameter(param, group)
         return loss
 
-    def _step_param(self, param: Tensor, group: dict[str, Any]) -> None:
+    @torch.no_grad()
+    def step_parameter(self, param: Tensor, group: dict[str, Any], weight: Tensor | None = None) -> None:
+        """One parameter's step, as :meth:`step` takes it (its gradient must exist). With ``weight`` (fp32, shaped like
+        ``param``), the update is applied to ``weight`` in place instead of to the parameter: the caller writes the
+        parameter (the weight write-back's rounding)."""
         state = self._state_for(param, group)
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
@@ -243,10 +246,11 @@ class QuantizedAdamW(torch.optim.Optimizer):
             flat = [t if t is None or t.dim() == 1 else t.view(-1) for t in (m_codes, v_codes)]
             new_m, new_v, counts = _compiled_update()(
                 param.detach().view(-1), param.grad.view(-1), flat[0], m_scale, flat[1], v_scale, hyper, keys,
-                *formats, self.count_stalls)
+                *formats, self.count_stalls, None if weight is None else weight.view(-1))
         else:
             new_m, new_v, counts = _update(
-                param, param.grad, m_codes, m_scale, v_codes, v_scale, hyper, keys, *formats, self.count_stalls)
+                param, param.grad, m_codes, m_scale, v_codes, v_scale, hyper, keys, *formats, self.count_stalls,
+                weight)
         for codes, scale, new in ((m_codes, m_scale, new_m), (v_codes, v_scale, new_v)):
             codes.copy_(new.codes.view(codes.shape))
             if scale is not None:
@@ -265,7 +269,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
             # and the compiled step wins.
             table_on_cpu = (param.device.type == "cpu" and rounding == "nearest"
                             and any(f.table_rounded for f in formats))
-            return param.numel() >= COMPILE_MIN_NUMEL and not table_on_cpu and _compat.compiler_available()
+            return not table_on_cpu and _compat.compiles(param.numel(), param.device)
         return self.compile
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -309,6 +313,7 @@ def _update(
     m_format: StateFormat,
     v_format: StateFormat,
     count_stalls: bool,
+    weight: Tensor | None = None,
 ) -> tuple[QuantizedState, QuantizedState, tuple[Tensor, Tensor, Tensor] | None]:
     """One parameter's step: dequantize both moments, update them in fp32, requantize them (stochastic rounding when
     ``keys`` is given), count unchanged codes, update the parameter in place from the unrounded moments exactly as
@@ -316,7 +321,8 @@ def _update(
     into the state: Inductor then reads each old code once, in the same loop that counts and writes.
 
     ``hyper``: fp32 (1 - beta1, beta2, 1 - beta2, 1 - lr * weight_decay, sqrt(bias_correction2), eps, -lr /
-    bias_correction1). Returns the new m and v and (stalled m, stalled v, counted) when ``count_stalls``, else None.
+    bias_correction1). ``weight``: an fp32 tensor updated in place instead of the parameter (the caller writes it).
+    Returns the new m and v and (stalled m, stalled v, counted) when ``count_stalls``, else None.
     """
     lerp_weight, beta2, one_minus_beta2, decay, sqrt_bias_correction2, eps, step_size = hyper.unbind()
     grad = grad.to(torch.float32)
@@ -342,11 +348,11 @@ def _update(
             for fmt, new, old in ((m_format, new_m, old_m), (v_format, new_v, old_v))
         ]
         counts = (stalled[0], stalled[1], counted_mask.sum())
-    target = param if param.dtype == torch.float32 else param.float()
+    target = weight if weight is not None else param if param.dtype == torch.float32 else param.float()
     target.mul_(decay)
     denom = v.sqrt_().div_(sqrt_bias_correction2).add_(eps)
     target.add_(m.mul_(step_size).div_(denom))
-    if target is not param:
+    if weight is None and target is not param:
         param.copy_(target)
     return new_m, new_v, counts
 

@@ -1,0 +1,100 @@
+"""torch.optim.Adam and AdamW (for-loop, foreach and fused; no amsgrad, capturable or differentiable).
+
+torch keeps a bf16 parameter's moments in bf16 (``exp_avg``, ``exp_avg_sq``) and its step counter ``step``. The
+write-back computes the whole step in fp32 from them and the gradient, as torch's fused kernel does (its for-loop and
+foreach forms round each op to bf16 instead), and stores the moments to nearest or stochastically: one multi-tensor
+pass per bucket reads w, its residual, g, m and v once and writes w, the residual, m and v once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_stale._compat import local_tensor
+from lightning_stale.act.writeback.family import Columns, Family, Member, Write, member_columns
+from lightning_stale.act.writeback.kernels import (
+    MultiTensor,
+    noise,
+    noise_keys,
+    sqrt,
+    to_device,
+    weight_target,
+    write_moments,
+    write_weight,
+)
+
+
+def adam(w: Tensor, c: Tensor | None, g: Tensor, m: Tensor, v: Tensor, scalars: Tensor, keys: Tensor,
+         weights: str, moments: str) -> None:
+    """One parameter's Adam/AdamW step in fp32, in place. ``scalars``: fp32 (1 - beta1, beta2, 1 - beta2, gradient
+    sign, coupled weight decay, decoupled decay factor, step size (negative), sqrt of v's bias correction, eps)."""
+    one_minus_beta1, beta2, one_minus_beta2, sign, l2, decay, step_size, bc2_sqrt, eps = scalars.unbind()
+    target = weight_target(w, c)
+    g = g.float() * sign + target * l2
+    mf = m.float()
+    mf = mf + (g - mf) * one_minus_beta1
+    vf = v.float() * beta2 + (g * g) * one_minus_beta2
+    new = target * decay + step_size * (mf / (sqrt(vf) / bc2_sqrt + eps))
+    stochastic = weights == "stochastic"
+    write_weight(w, c, new, weights, noise(w, keys) if stochastic else None)
+    write_moments((m, v), (mf, vf), moments, noise(w, keys, second=stochastic) if moments == "stochastic" else None)
+
+
+ADAM = MultiTensor(adam)
+
+
+class TorchAdam(Family):
+    """torch.optim Adam/AdamW (see the module)."""
+
+    moment_roundings = ("nearest", "stochastic")
+
+    def refusal(self) -> str | None:
+        for group in self.optimizer.param_groups:
+            for flag in ("amsgrad", "capturable", "differentiable"):
+                if group.get(flag):
+                    return f"{flag}=True is not supported"
+            if any(isinstance(beta, Tensor) for beta in group["betas"]):
+                return "tensor betas are not supported"
+        return None
+
+    def ready(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        return "exp_avg" in state
+
+    def prepare(self, members: list[Member]) -> Columns:
+        columns = member_columns(members)
+        states = [self.optimizer.state[m.param] for m in members]
+        for key, name in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+            columns.lists[name] = [columns.view(local_tensor(state[key])) for state in states]
+        columns.lists["step"] = [state["step"] for state in states]
+        columns.tensors["group"] = torch.tensor([m.position[0] for m in members], dtype=torch.long)
+        return columns
+
+    def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:
+        steps = columns.lists["step"]
+        torch._foreach_add_(steps, 1)
+        device = columns.lists["w"][0].device
+        scalars = to_device(self._scalars(columns.tensors["group"], steps), device)
+        keys = noise_keys(write.key, columns.tensors["index"], columns.tensors["start"])
+        ADAM([columns.lists[name] for name in ("w", "c")] + [grads] + [columns.lists[name] for name in ("m", "v")],
+             [scalars, keys], (write.weights, write.moments), columns.compiled)
+
+    def _scalars(self, group_index: Tensor, steps: list[Tensor]) -> Tensor:
+        """:func:`adam`'s scalars per member (fp32), from its group's hyper-parameters and its step counter (already
+        advanced): tensor ops on the counters' device, no host read of a device counter."""
+        step = torch.stack(steps).to(torch.float64).reshape(-1)
+        rows = []
+        for group in self.optimizer.param_groups:
+            decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+            rows.append((float(group["lr"]), *group["betas"], group["eps"], group["weight_decay"],
+                         -1.0 if group.get("maximize", False) else 1.0, float(decoupled)))
+        lr, beta1, beta2, eps, wd, sign, decoupled = (
+            torch.tensor(rows, dtype=torch.float64)[group_index].to(step.device).unbind(1))
+        decay = torch.where((decoupled > 0) & (wd != 0), 1.0 - lr * wd, torch.ones_like(lr))
+        return torch.stack([1.0 - beta1, beta2, 1.0 - beta2, sign, wd * (1.0 - decoupled), decay,
+                            -lr / (1.0 - beta1**step), (1.0 - beta2**step).sqrt(), eps], dim=1).float()
+
+
+FAMILIES = {torch.optim.Adam: TorchAdam, torch.optim.AdamW: TorchAdam}

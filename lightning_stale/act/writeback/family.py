@@ -1,0 +1,171 @@
+"""The optimizer-family protocol of the weight write-back, and the registry that finds a family by optimizer class.
+
+A family is one file (``families/<name>.py``): the whole update of the parameters the write-back takes over, as that
+optimizer computes it but in fp32 and with the weight written by the chosen rounding (:mod:`.kernels`); how its
+moments are read and written; when its state for a parameter exists; what it refuses and why. The write-back core
+(:mod:`.writeback`) owns the hooks, the choice of parameters, the compensation buffers and the checkpoints, and calls
+the family once per bucket of parameters per step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_stale import _compat
+from lightning_stale.formats.noise import as_int32
+
+
+@dataclass(eq=False)
+class Member:
+    """One parameter the write-back takes over, as its bucket holds it (built when the taken-over set changes).
+
+    Attributes:
+        index: its position among all the optimizer's parameters (the same on every rank).
+        param: the parameter (a DTensor under FSDP2).
+        group: its parameter group; ``position``: (group index, index in the group).
+        local: this process's elements of it (the shard's storage under FSDP2, else the parameter).
+        buffer: this process's elements of its compensation buffer (compensated rounding), else None.
+        start: flat position of ``local``'s first element in the whole parameter (noise keys).
+    """
+
+    index: int
+    param: Tensor
+    group: dict[str, Any]
+    position: tuple[int, int]
+    local: Tensor
+    buffer: Tensor | None
+    start: int
+
+
+@dataclass(eq=False)
+class Write:
+    """How this step writes: the weights' rounding, the moments' rounding (families that store moments in the
+    parameter's dtype) and the step's noise key (:func:`.kernels.step_key`)."""
+
+    weights: str
+    moments: str
+    key: int
+
+
+@dataclass(eq=False)
+class Columns:
+    """Per-member data of a bucket, aligned with its members: Python lists (tensors, numbers) and tensors indexed by
+    member; :meth:`subset` keeps the members that step now (the ones with a gradient)."""
+
+    lists: dict[str, list[Any]] = field(default_factory=dict)
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    flat: bool = True  # every tensor is taken as a flat view (all contiguous); else in its own shape, eagerly
+    compiled: bool = False  # the bucket's pass runs torch.compile'd (flat, enough elements, a compiler)
+
+    def view(self, tensor: Tensor) -> Tensor:
+        """``tensor`` as this bucket's passes take it: flat where the bucket is, else as it is."""
+        return tensor.view(-1) if self.flat else tensor
+
+    def subset(self, take: Sequence[int]) -> Columns:
+        index = {t.device: torch.tensor(list(take), dtype=torch.long, device=t.device) for t in self.tensors.values()}
+        return Columns({name: [values[i] for i in take] for name, values in self.lists.items()},
+                       {name: t[index[t.device]] for name, t in self.tensors.items()}, self.flat, self.compiled)
+
+
+def member_columns(members: list[Member]) -> Columns:
+    """The columns every family's bucket has: the weights ``w`` and compensation buffers ``c`` (None where there is
+    none) as the passes take them, and each member's ``index`` and shard ``start`` (int32, on the members' device)
+    for its noise keys."""
+    device = members[0].local.device
+    flat = all(m.local.is_contiguous() for m in members)
+    columns = Columns(flat=flat, compiled=flat and _compat.compiles(sum(m.local.numel() for m in members), device))
+    columns.lists["w"] = [columns.view(m.local) for m in members]
+    columns.lists["c"] = [None if m.buffer is None else columns.view(m.buffer) for m in members]
+    columns.tensors["index"] = torch.tensor([m.index for m in members], dtype=torch.int32, device=device)
+    columns.tensors["start"] = torch.tensor([as_int32(m.start) for m in members], dtype=torch.int32, device=device)
+    return columns
+
+
+class Family(ABC):
+    """One optimizer family's whole update of the parameters taken over, computed in fp32 (see the module).
+
+    Subclasses set ``moment_roundings`` (the roundings of the moments they can write: ``("nearest",)`` where the
+    optimizer stores them in its own format, with ``"stochastic"`` where they are stored in the parameter's dtype)."""
+
+    moment_roundings: ClassVar[tuple[str, ...]] = ("nearest",)
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def refusal(self) -> str | None:
+        """Why this optimizer's configuration cannot be taken over (a user error), or None."""
+        return None
+
+    @abstractmethod
+    def ready(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        """Whether the optimizer has initialised its state (``state``, empty if none) for a parameter of ``group``:
+        the write-back takes it over from then on (optimizers initialise a parameter's state only while it is
+        empty, so nothing of the write-back's may be there first)."""
+
+    def bucket_key(self, member: Member) -> tuple[Any, ...]:
+        """Members with equal keys are updated in one multi-tensor pass (default: device, dtype and whether they can
+        be taken flat)."""
+        return member.local.device, member.local.dtype, member.local.is_contiguous()
+
+    @abstractmethod
+    def prepare(self, members: list[Member]) -> Columns:
+        """The per-member data of one bucket that stays until the taken-over set changes (state tensors' flat views,
+        step counters, group indices)."""
+
+    @abstractmethod
+    def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:
+        """The whole step of ``members`` (those of a bucket with a gradient this step; ``columns`` and ``grads``
+        aligned with them, gradients this process's flat elements): moments, weights and compensation buffers in
+        place, and the optimizer's step counters advanced. The optimizer's own step then skips them."""
+
+
+_REGISTRY: dict[type, type[Family]] = {}
+_LOADED: set[str] = set()
+# Built-in family modules, each registered once its library (the key) is imported.
+_BUILTINS = {
+    "torch": ("torch_adam", "torch_sgd"),
+    "bitsandbytes": ("bnb_adam", "bnb_lion"),
+    "lightning_stale.optim": ("quantized",),
+}
+
+
+def register_family(optimizer_cls: type, family_cls: type[Family]) -> None:
+    """Take over the weights of ``optimizer_cls`` (that exact class: a subclass may change the update) with
+    ``family_cls``."""
+    if not (isinstance(family_cls, type) and issubclass(family_cls, Family)):
+        raise TypeError(f"family_cls must be a Family subclass, got {family_cls!r}")
+    _REGISTRY[optimizer_cls] = family_cls
+
+
+def _load_builtins() -> None:
+    """Register the built-in families of the libraries imported so far (nothing heavy is imported here)."""
+    for library, modules in _BUILTINS.items():
+        if library not in sys.modules:
+            continue
+        for name in modules:
+            module = f"lightning_stale.act.writeback.families.{name}"
+            if module not in _LOADED:
+                _LOADED.add(module)
+                for optimizer_cls, family_cls in importlib.import_module(module).FAMILIES.items():
+                    _REGISTRY.setdefault(optimizer_cls, family_cls)
+
+
+def family_for(optimizer: torch.optim.Optimizer) -> Family | None:
+    """The family that takes over ``optimizer``'s weights (its exact class), or None."""
+    _load_builtins()
+    family_cls = _REGISTRY.get(type(optimizer))
+    return None if family_cls is None else family_cls(optimizer)
+
+
+def supported() -> str:
+    """The optimizer classes with a family, for messages."""
+    _load_builtins()
+    return ", ".join(sorted(f"{c.__module__}.{c.__qualname__}" for c in _REGISTRY))

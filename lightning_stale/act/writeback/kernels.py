@@ -1,0 +1,148 @@
+"""The write-back's shared kernels: per-element noise, the weight and moment writes, and the multi-tensor pass.
+
+A family's update is a function of one parameter's tensors (``one``) that reads them in their storage dtype, computes
+in fp32 and writes them back in place. :class:`MultiTensor` runs it over lists of tensors: ``torch.compile``d in
+groups of :data:`GROUP` tensors (one generated kernel loop per tensor, one Python call per group, no per-tensor
+dispatch), or eagerly one tensor at a time for small buckets and where no compiler works. Both give the same bits on
+CPU: the math is separate products and sums (no fused multiply-add) and the eager square root goes through fp64 (the
+compiled one is correctly rounded; torch's eager fp32 CPU sqrt is off by an ulp for some inputs).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_stale import _compat
+from lightning_stale.formats.floats import on_grid
+from lightning_stale.formats.noise import NOISE_MASK, as_int32, counter_hash, mix32
+
+GROUP = 8  # tensors per compiled call; a shorter tail runs as groups of 4, 2 and 1 (one graph per length)
+_SECOND_STREAM = 0x6D6F6D73  # the key of a second, independent hash of the same counter
+
+
+def sqrt(x: Tensor) -> Tensor:
+    """A correctly rounded fp32 square root, eager and compiled alike."""
+    return x.sqrt() if torch.compiler.is_compiling() else x.double().sqrt().float()
+
+
+def step_key(seed: int, count: int) -> int:
+    """The int32 key of the write-back's ``count``-th step under ``seed``, from which every parameter's noise keys
+    follow (:func:`noise_keys`)."""
+    return as_int32(mix32(mix32(seed) ^ count))
+
+
+def noise_keys(key: int, indices: Tensor, starts: Tensor) -> Tensor:
+    """(counter offset, hash key) per parameter, int32 (n, 2) on ``indices``' device: from the step's ``key``, each
+    parameter's ``indices`` (its position among the optimizer's parameters, the same on every rank) and ``starts``
+    (the flat position of this process's shard in the whole parameter). No rank enters: replicated ranks draw alike,
+    and shards draw what the whole parameter would."""
+    return torch.stack([counter_hash(indices, key) + starts, counter_hash(indices ^ _SECOND_STREAM, key)], dim=1)
+
+
+def noise(like: Tensor, keys: Tensor, second: bool = False) -> Tensor:
+    """32 random bits (int32) per element of the flat ``like``: the hash of the element's position plus the
+    parameter's counter offset, under its key (``keys``: that parameter's row of :func:`noise_keys`); ``second``: an
+    independent second draw for the same elements."""
+    counter = torch.arange(like.numel(), dtype=torch.int32, device=like.device).view(like.shape) + keys[0]
+    key = keys[1] ^ _SECOND_STREAM if second else keys[1]
+    return counter_hash(counter, key)
+
+
+def write_weight(param: Tensor, buffer: Tensor | None, new: Tensor, rounding: str, bits: Tensor | None) -> None:
+    """The fp32 weight ``new`` written into ``param`` (its storage dtype), in place: ``"nearest"``; ``"stochastic"``
+    (``bits``' low half as noise); ``"compensated"``: to nearest, with what that rounding left out (exact in fp32, at
+    most half a grid gap) stored into ``buffer``, which the next update adds back in."""
+    if rounding == "stochastic":
+        param.copy_(on_grid(new, param.dtype, bits & NOISE_MASK))
+        return
+    rounded = new.to(param.dtype)
+    if buffer is not None:
+        buffer.copy_(new - rounded.float())
+    param.copy_(rounded)
+
+
+def write_moments(stored: Sequence[Tensor], values: Sequence[Tensor], rounding: str, bits: Tensor | None) -> None:
+    """fp32 ``values`` (one or two moments) written into their ``stored`` tensors (the parameter's dtype), in place:
+    to nearest, or stochastically (the first with ``bits``' low half as noise, the second with its high half)."""
+    for i, (target, value) in enumerate(zip(stored, values)):
+        if rounding == "stochastic":
+            value = on_grid(value, target.dtype, (bits >> 16 * i) & NOISE_MASK)
+        target.copy_(value)
+
+
+def weight_target(param: Tensor, buffer: Tensor | None) -> Tensor:
+    """The weight being optimized, in fp32: the stored one plus its compensation residual."""
+    return param.float() if buffer is None else param.float() + buffer.float()
+
+
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """The host tensor ``host`` on ``device`` without waiting for it: a plain host-to-device copy blocks the host until
+    the device's queue has drained, one from pinned memory does not (the caching host allocator keeps the pinned block
+    until the copy is done)."""
+    if device.type == "cpu":
+        return host
+    try:
+        return host.pin_memory().to(device, non_blocking=True)
+    except RuntimeError:  # no pinned memory for this device's backend: the blocking copy
+        return host.to(device)
+
+
+def _loop(columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
+    """``one`` over the tensors at each position of ``columns`` with the same rows of the per-tensor ``rows`` tables
+    (the template of every :class:`MultiTensor`'s compiled function; ``one`` is its global)."""
+    for i in range(len(columns[0])):
+        one(*[column[i] for column in columns], *[row[i] for row in rows], *flags)  # noqa: F821 - a global of its copy
+
+
+@lru_cache(maxsize=None)
+def _groups(count: int) -> tuple[tuple[int, int], ...]:
+    """(start, stop) of the compiled calls over ``count`` tensors: groups of GROUP, then halving lengths."""
+    out, start, length = [], 0, GROUP
+    while start < count:
+        while start + length > count:
+            length //= 2
+        out.append((start, start + length))
+        start += length
+    return tuple(out)
+
+
+class MultiTensor:
+    """A one-tensor update ``one(*tensors, *rows, *flags)`` run over lists of tensors.
+
+    ``columns``: equally long lists (flat, contiguous tensors, or None entries), ``rows``: per-tensor tables (one row
+    each), ``flags``: constants (rounding names, dtypes) each combination of which compiles once. Compiled calls take
+    :data:`GROUP` tensors at a time with dynamic sizes, so one graph serves any sizes; each kernel has its own code
+    object, hence its own dynamo cache. Should compiling fail, the eager loop is used from then on (same bits)."""
+
+    def __init__(self, one: Callable[..., None]) -> None:
+        self.one = one
+        code = _loop.__code__.replace(co_name=f"{one.__name__}_multi_tensor")
+        self._loop = types.FunctionType(code, {**_loop.__globals__, "one": one}, code.co_name)
+        self._compiled: Callable[..., None] | None = None
+        self.failed = False
+
+    def __call__(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...],
+                 compiled: bool) -> None:
+        if compiled and not self.failed:
+            try:
+                self._run_compiled(columns, rows, flags)
+                return
+            except Exception as error:  # noqa: BLE001 - no working compiler here: the eager ops give the same bits
+                self.failed = True
+                _compat.log.info("[lightning_stale] the compiled weight write-back is unavailable (%s); using eager "
+                                 "ops", error)
+        for i in range(len(columns[0])):
+            self.one(*[column[i] for column in columns], *[row[i] for row in rows], *flags)
+
+    def _run_compiled(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
+        if self._compiled is None:
+            self._compiled = torch.compile(self._loop, dynamic=True, fullgraph=True)
+        with _compat.multi_tensor_compile():
+            for start, stop in _groups(len(columns[0])):
+                self._compiled([column[start:stop] for column in columns], [row[start:stop] for row in rows], flags)
