@@ -53,8 +53,10 @@ from lightning_stale.demo.stats import PairedDifference
 from lightning_stale.demo.training import prepare_corpus, train_config
 
 COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed", "torchmaster",
-           "torchsrw", "torchsrs")
-CONTROLS = ("torchmaster", "torchsrw", "torchsrs")  # bf16-true controls, one (nearest) cell each
+           "torchsrw", "torchsrs", "optimikahan", "aobf16sr")
+# bf16-true controls and the weight write-back's peers (torch-optimi Kahan, torchao bf16 stochastic rounding), one
+# (nearest) cell each
+CONTROLS = ("torchmaster", "torchsrw", "torchsrs", "optimikahan", "aobf16sr")
 ROWS = ("nearest", "stochastic", "guard", "theory", "vonly", "adaptive", "periodic", "drift", "wsr", "wkahan", "wsrm",
         "wkahanm", "auto")
 SUFFIX = {"nearest": "", "guard": "+guard", "theory": "+reset", "vonly": "+vreset", "adaptive": "+adaptive",
@@ -114,7 +116,8 @@ def _train(name: str, settings: DemoSettings, log_root: str) -> dict:
     warnings.filterwarnings("ignore")
     corpus = prepare_corpus(settings)
     result = train_config(CONFIGS[name], settings, corpus, Path(log_root) / f"lr{settings.lr:g}")
-    return {"name": name, "lr": settings.lr, "seed": settings.seed, "corpus_sha256": corpus.identity.sha256,
+    return {"name": name, "lr": settings.lr, "seed": settings.seed, "eps": settings.eps,
+            "corpus_sha256": corpus.identity.sha256,
             "cpu_kernels": cpu_kernels(),
             "val_loss": result.val_loss,
             "seconds": result.seconds, **{k: getattr(result, k) for k in (
@@ -210,21 +213,22 @@ def plan(args: argparse.Namespace) -> dict[float, dict[str, tuple[str, ...]]]:
     return {lr: PLAN.get(lr, PLAN[4e-3]) for lr in args.lrs}
 
 
-def saved_runs(path: Path, sha256: str) -> list[dict]:
-    """The runs in ``path`` trained on the corpus with this hash (runs on other bytes are left out, and counted)."""
+def saved_runs(path: Path, sha256: str, eps: float) -> list[dict]:
+    """The runs in ``path`` trained on the corpus with this hash and with this Adam eps (the others are left out, and
+    counted; runs that recorded no eps used the demo's 1e-6)."""
     if not path.exists():
         return []
     runs = json.loads(path.read_text())["runs"]
-    kept = [r for r in runs if r.get("corpus_sha256") == sha256]
+    kept = [r for r in runs if r.get("corpus_sha256") == sha256 and math.isclose(r.get("eps", 1e-6), eps)]
     if len(kept) < len(runs):
-        print(f"{path}: {len(runs) - len(kept)} runs on another corpus (or none recorded) left out", flush=True)
+        print(f"{path}: {len(runs) - len(kept)} runs on another corpus or eps (or none recorded) left out", flush=True)
     return kept
 
 
 def _train_all(args: argparse.Namespace, base: DemoSettings, cells: dict, out: Path, sha256: str) -> list[dict]:
     """Run every (lr, configuration, seed); save runs.json after each finished run (``--resume`` keeps the runs
     already there on the same corpus and trains only the missing ones)."""
-    runs = saved_runs(out / "runs.json", sha256) if args.resume else []
+    runs = saved_runs(out / "runs.json", sha256, base.eps) if args.resume else []
     done = {(r["name"], r["lr"], r["seed"]) for r in runs}
     jobs = [(name, replace(base, lr=lr, seed=seed)) for lr, columns in cells.items()  # row by row: baselines first
             for name in dict.fromkeys(cell_config(r, c) for r in ROWS for c, rows in columns.items() if r in rows)
@@ -253,6 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default: 0,1,2)")
     parser.add_argument("--lrs", default=None, help="comma-separated peak learning rates (default: the plan's)")
     parser.add_argument("--beta2", type=float, default=0.999)
+    parser.add_argument("--eps", type=float, default=None, help="Adam's eps (default: the demo's, 1e-6)")
     parser.add_argument("--dim", type=int, default=None, help="model width (default: the plan's)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
@@ -300,19 +305,20 @@ def main(argv: list[str] | None = None) -> int:
     model = DecoderConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, hidden=args.hidden,
                           context=args.context)
     base = DemoSettings(steps=args.steps, batch_size=args.batch_size, model=model, beta2=args.beta2,
-                        data=args.data, progress_bar=False, log_every=max(10, args.steps // 100))
+                        data=args.data, progress_bar=False, log_every=max(10, args.steps // 100),
+                        **({} if args.eps is None else {"eps": args.eps}))
     corpus = prepare_corpus(base).identity  # fails fast on a bad --data
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cells = plan(args)
     saved = out / "runs.json"
     start = time.perf_counter()
-    runs = saved_runs(saved, corpus.sha256) if args.summarize_only else _train_all(args, base, cells, out,
-                                                                                     corpus.sha256)
+    runs = saved_runs(saved, corpus.sha256, base.eps) if args.summarize_only else _train_all(args, base, cells, out,
+                                                                                               corpus.sha256)
     if args.summarize_only:
         seen = {(r["name"], r["lr"], r["seed"]) for r in runs}
         for folder in [f for f in args.include.split(",") if f]:
-            for run in saved_runs(Path(folder) / "runs.json", corpus.sha256):
+            for run in saved_runs(Path(folder) / "runs.json", corpus.sha256, base.eps):
                 if (run["name"], run["lr"], run["seed"]) not in seen:
                     seen.add((run["name"], run["lr"], run["seed"]))
                     runs.append(run)

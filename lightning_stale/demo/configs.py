@@ -71,9 +71,15 @@ STORAGES = {  # name: (optimizer kind, state format, Trainer precision, words)
     "torchsrs": ("adamw_master_srs", "fp32", "bf16-true",
                  "torch AdamW's math in fp32 on fp32 master weights of a bf16-true model, bf16 states rounded "
                  "stochastically"),
+    "optimikahan": ("optimi_kahan", "fp32", "bf16-true",
+                    "torch-optimi AdamW(kahan_sum=True) on a bf16-true model (bf16 states to nearest, Kahan weights)"),
+    "aobf16sr": ("torchao_bf16_sr", "fp32", "bf16-true",
+                 "torchao AdamW(bf16_stochastic_round=True) on a bf16-true model (fp32 math, bf16 weights and states "
+                 "rounded stochastically)"),
 }
-# storages without remedies, one configuration each: fp32 and the controls of what bf16's parts cost
-REFERENCES = ("fp32", "torchmaster", "torchsrw", "torchsrs")
+# storages without remedies, one configuration each: fp32, the controls of what bf16's parts cost, and the weight
+# write-back's peers
+REFERENCES = ("fp32", "torchmaster", "torchsrw", "torchsrs", "optimikahan", "aobf16sr")
 LOW_PRECISION_WEIGHTS = ("bf16-true",)  # the Trainer precisions whose weights a weight write-back can take over
 REMEDY_SUFFIXES = {  # name suffix: (StaleStateCallback arguments, words)
     "": ({}, ""),

@@ -16,7 +16,8 @@ from torch import nn
 
 from lightning_stale.vocab import check_choice, check_int, check_rounding
 
-OPTIMIZER_KINDS = ("adamw", "adamw_master", "adamw_master_srw", "adamw_master_srs", "bnb_adamw8bit", "quantized")
+OPTIMIZER_KINDS = ("adamw", "adamw_master", "adamw_master_srw", "adamw_master_srs", "bnb_adamw8bit", "quantized",
+                   "optimi_kahan", "torchao_bf16_sr")
 MASTER_STORAGES = {"adamw_master": {}, "adamw_master_srw": {"weights": "stochastic"},  # MasterWeightAdamW's options
                    "adamw_master_srs": {"moments": "stochastic"}}
 STATE_FORMATS = ("fp8_e4m3", "fp4", "bf16", "int8_dynamic", "fp32")
@@ -46,7 +47,8 @@ class DecoderConfig:
 class OptimizerSpec:
     """Which AdamW to build: torch (``adamw``), torch's math on fp32 master weights and states (``adamw_master``, the
     bf16-compute control of :mod:`~lightning_stale.demo.master`; ``_srw``: weights, ``_srs``: states stored in bf16
-    with stochastic rounding instead), bitsandbytes ``AdamW8bit``, or ``QuantizedAdamW``.
+    with stochastic rounding instead), bitsandbytes ``AdamW8bit``, ``QuantizedAdamW``, or the weight write-back's
+    peers: torch-optimi's ``AdamW(kahan_sum=True)`` and torchao's ``AdamW(bf16_stochastic_round=True)``.
 
     ``state_format`` and ``rounding`` apply to ``quantized`` only; ``state_format`` is one name for both moments or
     ``"<m format>/<v format>"`` (e.g. ``"fp32/fp4"``: fp4 second moment only). ``min_quantized_size`` is the smallest
@@ -86,6 +88,15 @@ class OptimizerSpec:
             import bitsandbytes as bnb
 
             return bnb.optim.AdamW8bit(params, min_8bit_size=self.min_quantized_size, **common)
+        if self.kind == "optimi_kahan":  # the peers of the weight write-back (optional packages)
+            import optimi
+
+            return optimi.AdamW(params, kahan_sum=True, **common)
+        if self.kind == "torchao_bf16_sr":
+            import torchao.optim
+
+            adamw = getattr(torchao.optim, "AdamW", None) or torchao.optim._AdamW  # 0.18 keeps it private
+            return adamw(params, bf16_stochastic_round=True, **common)
         from lightning_stale.optim import QuantizedAdamW
 
         m_format, _, v_format = self.state_format.partition("/")

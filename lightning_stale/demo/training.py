@@ -145,9 +145,10 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     loggers = [CSVLogger(log_root, name=config.name, version=version)]
     if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
         loggers.append(TensorBoardLogger(log_root, name=config.name, version=version))
+    # strict=False: the weight write-back's peer torch-optimi has no adapter; the monitor reads it generically
     callbacks = [StaleStateCallback(reset=config.reset, every=config.every, moments=config.moments,
                                     underflow_guard=config.underflow_guard, remedy=config.remedy,
-                                    weights=config.weights), *extra_callbacks]
+                                    weights=config.weights, strict=False), *extra_callbacks]
     if settings.progress_bar:
         callbacks.append(_progress_bar(config.name))
     train_loader = corpus.train_loader(settings.steps, settings.batch_size, settings.seed)
