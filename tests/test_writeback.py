@@ -324,8 +324,26 @@ def test_same_seed_same_weights_like_replicated_ranks():
     assert all(torch.equal(a, b) for a, b in zip(*weights))
 
 
-def test_groups_of_any_length_write_what_single_tensors_write():
-    """The compiled pass runs GROUP tensors per call and shorter tails; the bits do not depend on the grouping."""
+@pytest.mark.parametrize("rounding,moments", [("compensated", "stochastic"), ("stochastic", "stochastic")])
+def test_eager_pieces_write_what_whole_tensors_write(rounding, moments, monkeypatch):
+    """Eagerly, flat tensors go through in pieces (the transient fp32 copies are bounded by the piece, not by the
+    largest tensor); the weights, moments, residuals and noise are the whole tensors' bit for bit."""
+    runs = []
+    for piece in (kernels.EAGER_CHUNK, 1000):
+        monkeypatch.setattr(kernels, "EAGER_CHUNK", piece)
+        net = checks.model()
+        opt = _adamw(net.parameters())
+        writeback = WeightWriteBack(opt, rounding, moments=moments, seed=5)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(4):
+            checks.step(net, opt, torch.randn(32, 64, generator=gen).bfloat16())
+        writeback.close()
+        runs.append([p.detach().clone() for p in net.parameters()] + checks.state_tensors(opt))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_compiled_calls_cover_every_tensor_once():
+    """The compiled pass runs GROUP tensors per call, then halving tails (one graph per length): each tensor once."""
     assert kernels._groups(13) == ((0, 8), (8, 12), (12, 13))
     assert [b - a for a, b in kernels._groups(8)] == [8] and kernels._groups(0) == ()
 

@@ -23,6 +23,9 @@ from lightning_stale.formats.floats import on_grid
 from lightning_stale.formats.noise import NOISE_MASK, as_int32, counter_hash, mix32
 
 GROUP = 8  # tensors per compiled call; a shorter tail runs as groups of 4, 2 and 1 (one graph per length)
+# Elements per eager call: the eager ops materialize a dozen fp32 temporaries of what they are given, so flat
+# tensors go through in pieces of this size (compiled calls fuse everything into one loop and hold no temporaries).
+EAGER_CHUNK = 1 << 20
 _SECOND_STREAM = 0x6D6F6D73  # the key of a second, independent hash of the same counter
 
 
@@ -115,10 +118,13 @@ def _groups(count: int) -> tuple[tuple[int, int], ...]:
 class MultiTensor:
     """A one-tensor update ``one(*tensors, *rows, *flags)`` run over lists of tensors.
 
-    ``columns``: equally long lists (flat, contiguous tensors, or None entries), ``rows``: per-tensor tables (one row
-    each), ``flags``: constants (rounding names, dtypes) each combination of which compiles once. Compiled calls take
+    ``columns``: equally long lists (flat, contiguous tensors, or None entries; tensors of their own shape where
+    ``flat`` is False), ``rows``: per-tensor tables (one row each; the last are the noise keys of :func:`noise_keys`),
+    ``flags``: constants (rounding names, dtypes) each combination of which compiles once. Compiled calls take
     :data:`GROUP` tensors at a time with dynamic sizes, so one graph serves any sizes; each kernel has its own code
-    object, hence its own dynamo cache. Should compiling fail, the eager loop is used from then on (same bits)."""
+    object, hence its own dynamo cache. Eagerly, flat tensors go through in pieces of :data:`EAGER_CHUNK` elements (a
+    piece's noise counter starts where it starts: the same bits). Should compiling fail, the eager loop is used from
+    then on (same bits)."""
 
     def __init__(self, one: Callable[..., None]) -> None:
         self.one = one
@@ -128,7 +134,7 @@ class MultiTensor:
         self.failed = False
 
     def __call__(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...],
-                 compiled: bool) -> None:
+                 compiled: bool, flat: bool = True) -> None:
         if compiled and not self.failed:
             try:
                 self._run_compiled(columns, rows, flags)
@@ -138,7 +144,15 @@ class MultiTensor:
                 _compat.log.info("[lightning_stale] the compiled weight write-back is unavailable (%s); using eager "
                                  "ops", error)
         for i in range(len(columns[0])):
-            self.one(*[column[i] for column in columns], *[row[i] for row in rows], *flags)
+            tensors, table = [column[i] for column in columns], [row[i] for row in rows]
+            numel = tensors[0].numel()
+            if not flat or numel <= EAGER_CHUNK:
+                self.one(*tensors, *table, *flags)
+                continue
+            for start in range(0, numel, EAGER_CHUNK):
+                piece = [None if t is None else t[start:start + EAGER_CHUNK] for t in tensors]
+                keys = table[-1] + torch.tensor([start, 0], dtype=table[-1].dtype, device=table[-1].device)
+                self.one(*piece, *table[:-1], keys, *flags)
 
     def _run_compiled(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
         if self._compiled is None:

@@ -79,7 +79,8 @@ class TorchAdam(Family):
         scalars = to_device(self._scalars(columns.tensors["group"], steps), device)
         keys = noise_keys(write.key, columns.tensors["index"], columns.tensors["start"])
         ADAM([columns.lists[name] for name in ("w", "c")] + [grads] + [columns.lists[name] for name in ("m", "v")],
-             [scalars, keys], (write.weights, write.moments), columns.compiled)
+             [scalars, keys], (write.weights, write.moments), columns.compiled,
+             columns.flat)
 
     def _scalars(self, group_index: Tensor, steps: list[Tensor]) -> Tensor:
         """:func:`adam`'s scalars per member (fp32), from its group's hyper-parameters and its step counter (already

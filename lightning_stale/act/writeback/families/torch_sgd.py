@@ -79,7 +79,7 @@ class TorchSGD(Family):
         nesterov = bool(members[0].group.get("nesterov", False))
         SGD([columns.lists["w"], columns.lists["c"], grads, columns.lists["buf"]],
             [to_device(scalars, columns.lists["w"][0].device), keys], (write.weights, write.moments, nesterov),
-            columns.compiled)
+            columns.compiled, columns.flat)
 
 
 FAMILIES = {torch.optim.SGD: TorchSGD}
