@@ -379,3 +379,46 @@ def test_refuses_optimizers_without_a_family():
         WeightWriteBack(torch.optim.Adagrad(checks.model().parameters()))
     with pytest.raises(ValueError, match="`rounding` must be one of"):
         WeightWriteBack(_adamw(checks.model().parameters()), "exact")
+
+
+def test_a_checkpoint_of_the_released_version_continues_exactly():
+    """A checkpoint written by lightning_stale 0.1 (tests/data/make_writeback_checkpoint.py: the buffers in the
+    monitor's state) continues exactly as the same checkpoint in today's layout (the buffers in the optimizer's
+    state), with the residuals it saved (without them the run differs), whichever state the loop loads first."""
+    import importlib.util
+    from pathlib import Path
+
+    from lightning_stale import StaleStateMonitor
+
+    data = Path(__file__).with_name("data")
+    spec = importlib.util.spec_from_file_location("make_writeback_checkpoint", data / "make_writeback_checkpoint.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    saved = torch.load(data / "writeback_released.pt", weights_only=False)
+    legacy = saved["monitor"]["optimizers"][0]["weights"]["compensation"]
+
+    def today(zero: bool) -> dict:
+        moved = copy.deepcopy(saved)
+        del moved["monitor"]["optimizers"][0]["weights"]["compensation"]
+        for index, buffer in legacy.items():
+            moved["optimizer"]["state"][int(index)][COMPENSATION_KEY] = buffer.clone().zero_() if zero else buffer
+        return moved
+
+    def resume(checkpoint: dict, monitor_first: bool) -> list[torch.Tensor]:
+        model, optimizer = maker.setup()
+        model.load_state_dict(checkpoint["model"])
+        monitor = StaleStateMonitor(optimizer, weights="compensated", names=model, coverage_steps=2)
+        if monitor_first:
+            monitor.load_state_dict(copy.deepcopy(checkpoint["monitor"]))
+        optimizer.load_state_dict(copy.deepcopy(checkpoint["optimizer"]))
+        if not monitor_first:
+            monitor.load_state_dict(copy.deepcopy(checkpoint["monitor"]))
+        maker.train(model, optimizer, maker.batches(6, start=maker.STEPS))
+        monitor.close()
+        return [p.detach().clone() for p in model.parameters()] + checks.state_tensors(optimizer)
+
+    expected = resume(today(zero=False), monitor_first=False)
+    assert not all(torch.equal(a, b) for a, b in zip(resume(today(zero=True), monitor_first=False), expected))
+    for monitor_first in (True, False):
+        ours = resume(saved, monitor_first)
+        assert len(ours) == len(expected) and all(torch.equal(a, b) for a, b in zip(ours, expected))
