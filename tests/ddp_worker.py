@@ -1,7 +1,8 @@
 """One CPU-DDP training run (2 processes, gloo) with StaleStateCallback; every rank writes what it saw to a JSON file.
 
-Run by ``tests/test_distributed.py`` in a subprocess: ``python tests/ddp_worker.py OUT_DIR RESET STEPS`` with RESET in
-{adaptive, theory, auto} (auto: ``remedy="auto"``); Lightning's DDP launcher re-runs this script for rank 1. The model has two layers trained in
+Run by ``tests/test_distributed.py`` in a subprocess: ``python tests/ddp_worker.py OUT_DIR RESET STEPS [CKPT]`` with
+RESET in {adaptive, theory, auto, weights, weights-auto} (auto: ``remedy="auto"``; weights-auto also checkpoints every
+10 steps, and CKPT resumes from one); Lightning's DDP launcher re-runs this script for rank 1. The model has two layers trained in
 manual optimization by two optimizers: bitsandbytes AdamW8bit and QuantizedAdamW (fp8, stochastic rounding), so one
 launch covers both. Each rank samples its stall measurement with its own seed and, for the adaptive policy, uses its
 own staleness tolerance s0, so the ranks' local decisions differ and only the callback's cross-rank reduction keeps
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -35,15 +37,18 @@ from lightning_stale.policies import AdaptiveReset
 class TwoOptimizers(L.LightningModule):
     """``first`` (8192 + 256 elements) on bitsandbytes AdamW8bit, ``second`` (1024 + 4) on QuantizedAdamW."""
 
-    def __init__(self, beta2: float = 0.8) -> None:
+    def __init__(self, beta2: float = 0.8, by_step: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.beta2 = beta2
+        self.beta2, self.by_step = beta2, by_step
         self.first = nn.Linear(32, 256)
         self.second = nn.Linear(256, 4)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if self.by_step:  # the data of each step follow the step count, which a resume restores (not the loader's)
+            g = torch.Generator().manual_seed(1000 * self.global_rank + self.global_step)
+            x, y = torch.randn(8, 32, generator=g).to(x.dtype), torch.randn(8, 4, generator=g).to(y.dtype)
         loss = nn.functional.mse_loss(self.second(torch.relu(self.first(x))), y)
         optimizers = self.optimizers()
         for opt in optimizers:
@@ -100,7 +105,7 @@ class RecordingCallback(StaleStateCallback):
         return super().reduce_sum(tensor)
 
 
-def main(out: Path, reset: str, steps: int) -> None:
+def main(out: Path, reset: str, steps: int, resume: str | None = None) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning's launcher for rank 1; rank 0 is this process
     if reset == "adaptive":
         # Per-rank staleness tolerance on top of per-rank samples: left alone, rank 1 would hardly ever reset.
@@ -117,7 +122,7 @@ def main(out: Path, reset: str, steps: int) -> None:
         # automatic remedy's choices and compensation buffers (rank 0's are the ones a checkpoint keeps).
         chosen = {"weights": "stochastic"} if reset == "weights" else {"remedy": "auto"}
         callback = RecordingCallback(sample_size=512, seed=rank, **chosen)
-        model = TwoOptimizers(beta2=0.999)
+        model = TwoOptimizers(beta2=0.999, by_step=reset == "weights-auto")
     else:
         # Theory resets need rho-hat >= 1: b2 = 0.995 (at 0.985 the settled 8-bit map has rho-hat
         # 0.66 and never resets); periods come out near 245 (8-bit map) and 145 (fp8) optimizer steps.
@@ -130,13 +135,16 @@ def main(out: Path, reset: str, steps: int) -> None:
         resets.append({"step": trainer.global_step, "optimizer": index, "state": state_hashes(event.optimizer)})
 
     callback.add_reset_listener(on_reset)
+    saving = reset == "weights-auto"  # Lightning saves rank 0's optimizer state: every rank's, the buffers included
+    checkpoint = [ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=10, save_top_k=-1)] if saving else []
     trainer = L.Trainer(
         strategy="ddp", devices=2, accelerator="cpu", max_steps=steps, default_root_dir=out,
         precision="bf16-true" if reset.startswith("weights") else "32-true",
-        logger=CSVLogger(out, name="csv", version=0), log_every_n_steps=1, callbacks=[callback],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=CSVLogger(out, name="csv", version=1 if resume else 0), log_every_n_steps=1,
+        callbacks=[callback, *checkpoint], enable_checkpointing=saving, enable_progress_bar=False,
+        enable_model_summary=False,
     )
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=resume)
     result = {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
@@ -152,9 +160,9 @@ def main(out: Path, reset: str, steps: int) -> None:
                           for i, p in enumerate(q for g in opt.param_groups for q in g["params"])
                           if COMPENSATION_KEY in opt.state[p]} for opt in trainer.optimizers],
     }
-    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    (out / f"{'resumed-' if resume else ''}rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
     torch.manual_seed(0)  # same initial weights on both ranks (DDP also broadcasts rank 0's)
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)

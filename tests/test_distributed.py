@@ -29,12 +29,12 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 STEPS = {"adaptive": 60, "theory": 520, "auto": 60, "weights": 40, "weights-auto": 40}
 
 
-def run_worker(tmp_path: Path, reset: str) -> tuple[dict, dict, list[dict[str, str]]]:
+def run_worker(tmp_path: Path, reset: str, resume: Path | None = None) -> tuple[dict, dict, list[dict[str, str]]]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path), reset, str(STEPS[reset])], env=env,
-                          capture_output=True, text=True, timeout=300)
-    ranks = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path), reset, str(STEPS[reset]),
+                           *([str(resume)] if resume else [])], env=env, capture_output=True, text=True, timeout=300)
+    ranks = [tmp_path / f"{'resumed-' if resume else ''}rank{r}.json" for r in (0, 1)]
     written = all(p.exists() for p in ranks)
     # CPU DDP sometimes aborts at interpreter exit ("terminate called without an active exception", rc 134) after
     # the run finished: tolerated only when both ranks wrote their results.
@@ -42,7 +42,7 @@ def run_worker(tmp_path: Path, reset: str) -> tuple[dict, dict, list[dict[str, s
         pytest.fail(f"DDP worker failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     assert written, f"a rank wrote no results:\n{proc.stderr[-5000:]}"
     rank0, rank1 = (json.loads(p.read_text()) for p in ranks)
-    with (tmp_path / "csv" / "version_0" / "metrics.csv").open() as f:
+    with (tmp_path / "csv" / f"version_{1 if resume else 0}" / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
     return rank0, rank1, rows
 
@@ -153,9 +153,15 @@ def test_unsupported_sharded_setups_are_refused_with_a_clear_message(strategy, s
 def test_ddp_weight_write_back_writes_the_same_weights_on_every_rank(tmp_path, kind):
     """bf16-true DDP with ``weights="stochastic"`` and per-rank sample seeds: the rounding noise is keyed by step and
     parameter, not by rank, so both ranks keep bit-identical weights and states; with ``remedy="auto"`` (compensated
-    summation) both ranks also take over the same parameters and keep bit-identical compensation buffers, so the
-    buffers rank 0 saves are every rank's."""
+    summation) both ranks also take over the same parameters and keep bit-identical compensation buffers in their
+    optimizer state, so the state rank 0 saves is every rank's: a run resumed from step 20 ends bit-identical to the
+    uninterrupted one, buffers included."""
     rank0, rank1, rows = run_worker(tmp_path, kind)
+    if kind == "weights-auto":
+        resumed = run_worker(tmp_path, kind, resume=tmp_path / "ckpt" / "epoch=0-step=20.ckpt")
+        for ours in resumed[:2]:
+            assert ours["final_params"] == rank0["final_params"] and ours["final_state"] == rank0["final_state"]
+            assert ours["compensation"] == rank0["compensation"]
     assert rank0["final_params"] == rank1["final_params"]
     assert rank0["final_state"] == rank1["final_state"]
     assert rank0["compensation"] == rank1["compensation"]
