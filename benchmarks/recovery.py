@@ -119,7 +119,7 @@ def _train(name: str, settings: DemoSettings, log_root: str) -> dict:
             "val_loss": result.val_loss,
             "seconds": result.seconds, **{k: getattr(result, k) for k in (
                 "v_frac", "v_predicted", "v_drift", "v_underflow", "resets", "remedy_guard", "remedy_stochastic",
-                "remedy_reset", "w_frac", "remedy_weights",
+                "remedy_reset", "w_frac", "w_predicted", "remedy_weights",
                 "state_bytes_per_param", "weight_buffer_bytes_per_param")}}
 
 

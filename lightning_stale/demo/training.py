@@ -34,12 +34,14 @@ STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabu
     "v_underflow": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.UNDERFLOW_KEY),
     "m_frac": metrics.key(metrics.DEFAULT_PREFIX, "m", metrics.FRAC),
     "w_frac": metrics.key(metrics.DEFAULT_PREFIX, WEIGHT, metrics.FRAC),
+    "w_predicted": metrics.key(metrics.DEFAULT_PREFIX, WEIGHT, metrics.PREDICTED),
     "remedy_weights": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, metrics.WEIGHTS),
     "resets": metrics.key(metrics.DEFAULT_PREFIX, metrics.RESETS),
     "remedy_guard": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[GUARD]),
     "remedy_stochastic": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[STOCHASTIC]),
     "remedy_reset": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[RESET]),
 }
+LR_KEY = "lr"  # the learning rate of the first param group, logged every step (the curve the weight stall follows)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class RunResult:
     remedy_stochastic: float = math.nan
     remedy_reset: float = math.nan
     w_frac: float = math.nan
+    w_predicted: float = math.nan
     remedy_weights: float = math.nan
     weight_buffer_bytes_per_param: float = 0.0  # the write-back's compensation buffers at the end of the run
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
@@ -134,6 +137,7 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     ``extra_callbacks`` (Lightning callbacks) join it, e.g. a benchmark's experimental intervention.
     """
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from lightning_stale import StaleStateCallback
@@ -147,7 +151,7 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
         loggers.append(TensorBoardLogger(log_root, name=config.name, version=version))
     callbacks = [StaleStateCallback(reset=config.reset, every=config.every, moments=config.moments,
                                     underflow_guard=config.underflow_guard, remedy=config.remedy,
-                                    weights=config.weights), *extra_callbacks]
+                                    weights=config.weights), LearningRateMonitor("step"), *extra_callbacks]
     if settings.progress_bar:
         callbacks.append(_progress_bar(config.name))
     train_loader = corpus.train_loader(settings.steps, settings.batch_size, settings.seed)
@@ -174,6 +178,8 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     val_loss = evaluate(model, val_loader)
     n_params = sum(p.numel() for p in model.parameters())
     curves = read_metric_curves(Path(loggers[0].log_dir) / "metrics.csv")
+    for key in [k for k in curves if k.startswith("lr-")][:1]:  # LearningRateMonitor's "lr-<optimizer class>"
+        curves[LR_KEY] = curves.pop(key)
     val_curve = curves.setdefault("val/loss", [])
     if not val_curve or val_curve[-1][0] < settings.steps:
         val_curve.append((settings.steps, val_loss))
@@ -187,7 +193,7 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
         weight_buffer_bytes_per_param=callbacks[0].monitor.weight_buffer_bytes() / n_params,
         curves=curves,
     )
-    for attr in ("v_frac", "v_predicted", "v_underflow", "w_frac"):
+    for attr in ("v_frac", "v_predicted", "v_underflow", "w_frac", "w_predicted"):
         points = curves.get(STALL_KEYS[attr], [])
         if points:
             setattr(result, attr, sum(v for _, v in points) / len(points))
@@ -205,6 +211,7 @@ def prepare_corpus(settings: DemoSettings) -> ByteCorpus:
 
 
 __all__ = [
+    "LR_KEY",
     "STALL_KEYS",
     "RunResult",
     "evaluate",
