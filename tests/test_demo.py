@@ -7,6 +7,7 @@ import csv
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -230,6 +231,30 @@ def test_demo_command_prints_table_and_paths(tmp_path: Path, capsys: pytest.Capt
     assert "val loss" in printed and str(out / "demo.png") in printed and (out / "demo.png").exists()
     digest = hashlib.sha256(text.read_bytes()).hexdigest()
     assert f"corpus: {text}: {len(text.read_bytes()):,} bytes, sha256 {digest}; CPU kernels: " in printed
+
+
+def test_runs_under_another_cpu_kernel_set_get_their_own_compile_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_stale.demo.training import separate_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert separate_compile_cache() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    folder = separate_compile_cache()
+    assert folder is not None and folder.endswith("_avx2") and os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", folder[: -len("_avx2")])  # torch's default, as torch writes it
+    assert separate_compile_cache() == folder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/mine")
+    assert separate_compile_cache() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"
+
+
+def test_a_diverged_run_shows_nan_in_the_table() -> None:
+    from lightning_stale.demo.report import format_table
+    from lightning_stale.demo.training import RunResult
+
+    runs = [RunResult("torchbf16", 0, 2.0, 4.0, 1.0, ""), RunResult("torchbf16+auto", 0, math.nan, 6.0, 1.0, "")]
+    row = format_table(runs, reference="torchbf16").splitlines()[3]
+    assert row.split()[:3] == ["torchbf16+auto", "nan", "+nan"]
 
 
 def test_demo_reports_a_missing_data_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -94,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
     from lightning_stale.demo.data import cpu_kernels
     from lightning_stale.demo.report import format_table
     from lightning_stale.demo.runner import run_demo
-    from lightning_stale.demo.training import prepare_corpus
+    from lightning_stale.demo.training import prepare_corpus, separate_compile_cache
 
+    cache = separate_compile_cache()  # before anything compiles: Inductor's cache mixes CPU kernel sets
     try:
         configs = resolve_configs(args.configs)
         settings = DemoSettings(steps=args.steps, seed=args.seed, lr=args.lr, data=args.data, threads=args.threads)
@@ -105,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     print(f"corpus: {corpus.identity}; CPU kernels: {cpu_kernels()}", flush=True)
+    if cache:
+        print(f"torch.compile cache for these kernels: {cache}", flush=True)
     results = run_demo(settings, configs, out, corpus, workers=args.workers)
     print()
     print(format_table(results))

@@ -49,8 +49,8 @@ def format_table(results: Sequence[RunResult], reference: str = "fp32") -> str:
 
     columns = [  # (header, cell, shown)
         ("config", lambda r: r.name, True),
-        ("val loss", lambda r: _fmt(r.val_loss, ".4f"), True),
-        (f"gap to {reference}", lambda r: _fmt(r.val_loss - ref, "+.4f"), True),
+        ("val loss", lambda r: format(r.val_loss, ".4f"), True),  # a diverged run shows nan
+        (f"gap to {reference}", lambda r: format(r.val_loss - ref, "+.4f"), True),
         ("recovered", share, True),
         ("state B/param", lambda r: _fmt(r.state_bytes_per_param + r.weight_buffer_bytes_per_param, ".2f"), True),
         ("w stall", lambda r: _fmt(r.w_frac, ".3f"), any(not math.isnan(r.w_frac) for r in results)),

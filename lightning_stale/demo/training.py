@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import getpass
 import importlib.util
 import logging
 import math
+import os
+import re
 import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -204,6 +208,25 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     return result
 
 
+def separate_compile_cache() -> str | None:
+    """Give runs under ``ATEN_CPU_CAPABILITY`` their own ``torch.compile`` kernel cache; returns the folder set, if any.
+
+    Inductor's on-disk cache (``<tmp>/torchinductor_<user>``) does not tell torch's CPU kernel sets apart: after a run
+    under ``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 machine, a run under the default kernels reuses the kernels
+    compiled for AVX2 and the reverse, and the weight write-back's fused pass then computes wrong weights or corrupts
+    the heap (torch 2.13). A folder per kernel set keeps the two apart. A ``TORCHINDUCTOR_CACHE_DIR`` other than
+    torch's default (which torch writes into the environment once it has looked it up) is left alone. Call it before
+    anything compiles (worker processes inherit it)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    default = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser()))
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not capability or (current and os.path.abspath(current) != os.path.abspath(default)):
+        return None
+    folder = f"{default}_{capability}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
+
+
 def prepare_corpus(settings: DemoSettings) -> ByteCorpus:
     """Load and split the settings' corpus; FileNotFoundError / ValueError for a missing path or too little text."""
     return ByteCorpus(load_corpus(settings.data, settings.max_bytes), settings.model.context,
@@ -219,5 +242,6 @@ __all__ = [
     "prepare_corpus",
     "quiet_lightning",
     "read_metric_curves",
+    "separate_compile_cache",
     "train_config",
 ]
