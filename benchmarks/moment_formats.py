@@ -76,9 +76,11 @@ def run(job: tuple[str, str, str, int | None, int, int, float, str]) -> tuple[st
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     from lightning_stale.demo.configs import CONFIGS, DemoSettings
+    from lightning_stale.demo.model import DecoderConfig
     from lightning_stale.demo.training import prepare_corpus, train_config
 
-    settings = DemoSettings(steps=steps, seed=seed, lr=lr, progress_bar=False)
+    # the 0.5M-parameter decoder (dim 128) its recorded runs used
+    settings = DemoSettings(steps=steps, seed=seed, lr=lr, model=DecoderConfig(), progress_bar=False)
     config = replace(CONFIGS["fp4"], name=name.replace(" ", "-").replace("/", "-"), state_format=state_format,
                      rounding=rounding)
     callbacks = [shadow_refresh(every)] if every else []

@@ -50,7 +50,7 @@ from lightning_stale.demo.configs import CONFIGS, DemoSettings
 from lightning_stale.demo.data import cpu_kernels
 from lightning_stale.demo.model import DecoderConfig
 from lightning_stale.demo.stats import PairedDifference
-from lightning_stale.demo.training import prepare_corpus, train_config
+from lightning_stale.demo.training import prepare_corpus, separate_compile_cache, train_config
 
 COLUMNS = ("fp32", "bf16", "fp8", "fp4", "int8", "bnb8bit", "torchbf16", "bnb8bitbf16", "torchmixed", "torchmaster",
            "torchsrw", "torchsrs", "optimikahan", "aobf16sr")
@@ -122,7 +122,7 @@ def _train(name: str, settings: DemoSettings, log_root: str) -> dict:
             "val_loss": result.val_loss,
             "seconds": result.seconds, **{k: getattr(result, k) for k in (
                 "v_frac", "v_predicted", "v_drift", "v_underflow", "resets", "remedy_guard", "remedy_stochastic",
-                "remedy_reset", "w_frac", "remedy_weights",
+                "remedy_reset", "w_frac", "w_predicted", "remedy_weights",
                 "state_bytes_per_param", "weight_buffer_bytes_per_param")}}
 
 
@@ -302,6 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    separate_compile_cache()  # runs under ATEN_CPU_CAPABILITY get their own torch.compile cache (workers inherit it)
     model = DecoderConfig(dim=args.dim, n_layers=args.layers, n_heads=args.heads, hidden=args.hidden,
                           context=args.context)
     base = DemoSettings(steps=args.steps, batch_size=args.batch_size, model=model, beta2=args.beta2,

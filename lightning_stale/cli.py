@@ -1,7 +1,8 @@
 """The ``lightning-stale`` command line: one subcommand per module in :mod:`lightning_stale.commands`.
 
-Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``; heavy imports
-happen inside ``run`` so that ``--help`` is instant.
+Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``, and may define
+``EPILOG`` (text printed after the options as written); heavy imports happen inside ``run`` so that ``--help`` is
+instant.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from lightning_stale import __version__
@@ -25,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         module = importlib.import_module(f"lightning_stale.commands.{name}")
-        cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        cmd = sub.add_parser(name, help=module.HELP, description=textwrap.fill(module.HELP, 100),
+                             epilog=getattr(module, "EPILOG", None),
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(cmd)
         cmd.set_defaults(_run=module.run)
     return parser

@@ -7,6 +7,7 @@ import csv
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -148,17 +149,27 @@ def test_recovered_share() -> None:
     assert math.isnan(recovered_share(1.50, baseline_loss=1.501, reference_loss=1.50))  # gap below the noise floor
 
 
-def test_command_help_lists_configs() -> None:
+def test_command_help_names_a_few_configs_and_the_grammar_of_all() -> None:
     assert demo_command.DEFAULT_CONFIGS == ",".join(DEFAULT_CONFIGS)
-    assert sorted(demo_command.AVAILABLE_CONFIGS.split(", ")) == sorted(CONFIGS)
+    featured = [n for names, _ in demo_command.FEATURED for n in names.split(",")]
+    assert set(featured) <= set(CONFIGS) and len(demo_command.FEATURED) <= 10
+    assert featured[:3] == list(DEFAULT_CONFIGS)
+    assert sorted(demo_command.composed_configs()) == sorted(CONFIGS)  # the grammar in --help gives the catalogue
     assert CONFIGS["fp8-sr+reset"].reset == "theory" and CONFIGS["fp8-sr+reset"].baseline == "fp8"
     parser = argparse.ArgumentParser()
     demo_command.add_arguments(parser)
     defaults, settings = parser.parse_args([]), DemoSettings()
     assert (defaults.steps, defaults.seed, defaults.threads, defaults.lr) == \
         (settings.steps, settings.seed, settings.threads, settings.lr)
+    assert CONFIGS["torchbf16+auto"].remedy == "auto" and CONFIGS["torchbf16+auto"].precision == "bf16-true"
     assert CONFIGS["fp8+auto"].remedy == "auto" and CONFIGS["bnb8bit+guard"].underflow_guard
     assert CONFIGS["fp4+drift"].reset == "drift" and CONFIGS["int8-sr+periodic"].every == 300
+    from lightning_stale import cli
+
+    text = cli.build_parser()._subparsers._group_actions[0].choices["demo"].format_help()
+    assert "fp8-sr+periodic" not in text and "STORAGE[-sr][+REMEDY]" in text and len(text.splitlines()) < 60
+    with pytest.raises(ValueError, match=r"did you mean torchbf16\+auto"):
+        resolve_configs("torchbf16+aut")
 
 
 def test_parallel_demo_runs_give_the_serial_results(tmp_path: Path) -> None:
@@ -171,18 +182,19 @@ def test_parallel_demo_runs_give_the_serial_results(tmp_path: Path) -> None:
     parallel = run_demo(settings, configs, tmp_path / "parallel", workers=2)
     assert [r.name for r in parallel] == ["fp32", "fp8+auto"]
     assert [r.val_loss for r in parallel] == [r.val_loss for r in serial]
-    assert "auto: guard/SR/reset" in (tmp_path / "parallel" / "results.txt").read_text()
+    assert "auto: w/guard/SR/reset" in (tmp_path / "parallel" / "results.txt").read_text()
 
 
 def test_demo_smoke_run(tmp_path: Path) -> None:
-    """Two configurations, a few steps on a tiny model: the table, the logs and the figure are written."""
+    """Three configurations, a few steps on a tiny model: the table, the logs and the figure are written; the
+    bf16-true run has the weight columns and its weights are taken over by remedy="auto"."""
     text = tmp_path / "corpus.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 400)
     out = tmp_path / "out"
     settings = DemoSettings(steps=12, model=TINY, batch_size=4, val_batches=2, log_every=1, evaluations=2,
                             data=str(text), progress_bar=False)
-    results = run_demo(settings, resolve_configs("fp32,bnb8bit+reset"), out)
-    assert [r.name for r in results] == ["fp32", "bnb8bit+reset"]
+    results = run_demo(settings, resolve_configs("fp32,bnb8bit+reset,torchbf16+auto"), out)
+    assert [r.name for r in results] == ["fp32", "bnb8bit+reset", "torchbf16+auto"]
     assert all(torch.isfinite(torch.tensor(r.val_loss)) for r in results)
     assert (out / "demo.png").stat().st_size > 10_000
     saved = json.loads((out / "results.json").read_text())
@@ -191,13 +203,21 @@ def test_demo_smoke_run(tmp_path: Path) -> None:
     assert saved["cpu_kernels"].split(" (")[0] == torch.backends.cpu.get_cpu_capability()
     table = (out / "results.txt").read_text()
     assert table.startswith("config") and "bnb8bit+reset" in table
+    header = table.splitlines()[0]
+    assert "w stall" in header and "w stall pred" in header and "auto: w/guard/SR/reset" in header
     for r in results:
         with (Path(r.log_dir) / "metrics.csv").open() as handle:
             columns = next(csv.reader(handle))
         assert {"train/loss", "val/loss", "stale/v/frac", "stale/v/drift"} <= set(columns)
-        assert r.curves["val/loss"][-1][0] == 12
-    bytes_per_param = {r.name: r.state_bytes_per_param for r in results}
-    assert bytes_per_param["fp32"] == pytest.approx(8.0, abs=0.1) and bytes_per_param["bnb8bit+reset"] < 3.0
+        assert r.curves["val/loss"][-1][0] == 12 and r.curves["lr"]  # the lr the figure draws beside the w stall
+    runs = {r.name: r for r in results}
+    assert math.isnan(runs["fp32"].w_frac) and 0 <= runs["torchbf16+auto"].w_frac <= 1  # bf16 weights only
+    assert 0 <= runs["torchbf16+auto"].w_predicted <= 1 and runs["torchbf16+auto"].remedy_weights > 0
+    assert runs["fp32"].state_bytes_per_param == pytest.approx(8.0, abs=0.1)
+    assert runs["bnb8bit+reset"].state_bytes_per_param < 3.0
+    # bf16 moments (4 bytes) and the compensated write's buffers (2 bytes per parameter taken over)
+    assert runs["torchbf16+auto"].state_bytes_per_param == pytest.approx(4.0, abs=0.3)
+    assert 0 < runs["torchbf16+auto"].weight_buffer_bytes_per_param <= 2.0
 
 
 def test_demo_command_prints_table_and_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -211,6 +231,30 @@ def test_demo_command_prints_table_and_paths(tmp_path: Path, capsys: pytest.Capt
     assert "val loss" in printed and str(out / "demo.png") in printed and (out / "demo.png").exists()
     digest = hashlib.sha256(text.read_bytes()).hexdigest()
     assert f"corpus: {text}: {len(text.read_bytes()):,} bytes, sha256 {digest}; CPU kernels: " in printed
+
+
+def test_runs_under_another_cpu_kernel_set_get_their_own_compile_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_stale.demo.training import separate_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert separate_compile_cache() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    folder = separate_compile_cache()
+    assert folder is not None and folder.endswith("_avx2") and os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", folder[: -len("_avx2")])  # torch's default, as torch writes it
+    assert separate_compile_cache() == folder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/mine")
+    assert separate_compile_cache() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/mine"
+
+
+def test_a_diverged_run_shows_nan_in_the_table() -> None:
+    from lightning_stale.demo.report import format_table
+    from lightning_stale.demo.training import RunResult
+
+    runs = [RunResult("torchbf16", 0, 2.0, 4.0, 1.0, ""), RunResult("torchbf16+auto", 0, math.nan, 6.0, 1.0, "")]
+    row = format_table(runs, reference="torchbf16").splitlines()[3]
+    assert row.split()[:3] == ["torchbf16+auto", "nan", "+nan"]
 
 
 def test_demo_reports_a_missing_data_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import getpass
 import importlib.util
 import logging
 import math
+import os
+import re
 import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -25,7 +29,8 @@ from lightning_stale.demo.configs import DemoSettings, RunConfig
 from lightning_stale.demo.data import ByteCorpus, corpus_source, load_corpus
 from lightning_stale.demo.model import LanguageModel
 from lightning_stale.monitor import metrics
-from lightning_stale.vocab import WEIGHT
+from lightning_stale.vocab import COMPENSATION_KEY, WEIGHT
+from lightning_stale.vocab import COMPENSATION_KEY
 
 STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabulates and plots
     "v_frac": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.FRAC),
@@ -34,12 +39,14 @@ STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabu
     "v_underflow": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.UNDERFLOW_KEY),
     "m_frac": metrics.key(metrics.DEFAULT_PREFIX, "m", metrics.FRAC),
     "w_frac": metrics.key(metrics.DEFAULT_PREFIX, WEIGHT, metrics.FRAC),
+    "w_predicted": metrics.key(metrics.DEFAULT_PREFIX, WEIGHT, metrics.PREDICTED),
     "remedy_weights": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, metrics.WEIGHTS),
     "resets": metrics.key(metrics.DEFAULT_PREFIX, metrics.RESETS),
     "remedy_guard": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[GUARD]),
     "remedy_stochastic": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[STOCHASTIC]),
     "remedy_reset": metrics.key(metrics.DEFAULT_PREFIX, metrics.REMEDY, REMEDIES[RESET]),
 }
+LR_KEY = "lr"  # the learning rate of the first param group, logged every step (the curve the weight stall follows)
 
 
 @dataclass
@@ -61,17 +68,19 @@ class RunResult:
     remedy_stochastic: float = math.nan
     remedy_reset: float = math.nan
     w_frac: float = math.nan
+    w_predicted: float = math.nan
     remedy_weights: float = math.nan
     weight_buffer_bytes_per_param: float = 0.0  # the write-back's compensation buffers at the end of the run
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held by the optimizer's state tensors (each storage counted once, e.g. a shared quantization map)."""
+    """Bytes held by the optimizer's own state tensors (each storage counted once, e.g. a shared quantization map),
+    the weight write-back's compensation buffers left out (counted as ``weight_buffer_bytes_per_param``)."""
     seen, total = set(), 0
     for state in optimizer.state.values():
-        for value in state.values():
-            if torch.is_tensor(value) and value.numel() and value.data_ptr() not in seen:
+        for key, value in state.items():
+            if key != COMPENSATION_KEY and torch.is_tensor(value) and value.numel() and value.data_ptr() not in seen:
                 seen.add(value.data_ptr())
                 total += value.numel() * value.element_size()
     return total
@@ -134,6 +143,7 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     ``extra_callbacks`` (Lightning callbacks) join it, e.g. a benchmark's experimental intervention.
     """
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from lightning_stale import StaleStateCallback
@@ -148,7 +158,8 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     # strict=False: the weight write-back's peer torch-optimi has no adapter; the monitor reads it generically
     callbacks = [StaleStateCallback(reset=config.reset, every=config.every, moments=config.moments,
                                     underflow_guard=config.underflow_guard, remedy=config.remedy,
-                                    weights=config.weights, strict=False), *extra_callbacks]
+                                    weights=config.weights, strict=False), LearningRateMonitor("step"),
+                 *extra_callbacks]
     if settings.progress_bar:
         callbacks.append(_progress_bar(config.name))
     train_loader = corpus.train_loader(settings.steps, settings.batch_size, settings.seed)
@@ -175,6 +186,8 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     val_loss = evaluate(model, val_loader)
     n_params = sum(p.numel() for p in model.parameters())
     curves = read_metric_curves(Path(loggers[0].log_dir) / "metrics.csv")
+    for key in [k for k in curves if k.startswith("lr-")][:1]:  # LearningRateMonitor's "lr-<optimizer class>"
+        curves[LR_KEY] = curves.pop(key)
     val_curve = curves.setdefault("val/loss", [])
     if not val_curve or val_curve[-1][0] < settings.steps:
         val_curve.append((settings.steps, val_loss))
@@ -188,7 +201,7 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
         weight_buffer_bytes_per_param=callbacks[0].monitor.weight_buffer_bytes() / n_params,
         curves=curves,
     )
-    for attr in ("v_frac", "v_predicted", "v_underflow", "w_frac"):
+    for attr in ("v_frac", "v_predicted", "v_underflow", "w_frac", "w_predicted"):
         points = curves.get(STALL_KEYS[attr], [])
         if points:
             setattr(result, attr, sum(v for _, v in points) / len(points))
@@ -199,6 +212,25 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     return result
 
 
+def separate_compile_cache() -> str | None:
+    """Give runs under ``ATEN_CPU_CAPABILITY`` their own ``torch.compile`` kernel cache; returns the folder set, if any.
+
+    Inductor's on-disk cache (``<tmp>/torchinductor_<user>``) does not tell torch's CPU kernel sets apart: after a run
+    under ``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 machine, a run under the default kernels reuses the kernels
+    compiled for AVX2 and the reverse, and the weight write-back's fused pass then computes wrong weights or corrupts
+    the heap (torch 2.13). A folder per kernel set keeps the two apart. A ``TORCHINDUCTOR_CACHE_DIR`` other than
+    torch's default (which torch writes into the environment once it has looked it up) is left alone. Call it before
+    anything compiles (worker processes inherit it)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    default = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser()))
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not capability or (current and os.path.abspath(current) != os.path.abspath(default)):
+        return None
+    folder = f"{default}_{capability}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
+
+
 def prepare_corpus(settings: DemoSettings) -> ByteCorpus:
     """Load and split the settings' corpus; FileNotFoundError / ValueError for a missing path or too little text."""
     return ByteCorpus(load_corpus(settings.data, settings.max_bytes), settings.model.context,
@@ -206,6 +238,7 @@ def prepare_corpus(settings: DemoSettings) -> ByteCorpus:
 
 
 __all__ = [
+    "LR_KEY",
     "STALL_KEYS",
     "RunResult",
     "evaluate",
@@ -213,5 +246,6 @@ __all__ = [
     "prepare_corpus",
     "quiet_lightning",
     "read_metric_curves",
+    "separate_compile_cache",
     "train_config",
 ]
