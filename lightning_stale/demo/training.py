@@ -30,7 +30,6 @@ from lightning_stale.demo.data import ByteCorpus, corpus_source, load_corpus
 from lightning_stale.demo.model import LanguageModel
 from lightning_stale.monitor import metrics
 from lightning_stale.vocab import COMPENSATION_KEY, WEIGHT
-from lightning_stale.vocab import COMPENSATION_KEY
 
 STALL_KEYS = {  # the callback's logged keys (default prefix) that the demo tabulates and plots
     "v_frac": metrics.key(metrics.DEFAULT_PREFIX, "v", metrics.FRAC),
