@@ -294,10 +294,11 @@ def _vectorized_bitcast(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextmanager
-def multi_tensor_compile(recompile_limit: int = 64) -> Iterator[None]:
+def multi_tensor_compile(emulate_casts: bool = False, recompile_limit: int = 64) -> Iterator[None]:
     """The settings under which the package's multi-tensor kernels compile (entered around their calls; it only
-    matters when one compiles): casts to bf16/fp16 kept as written (Inductor otherwise drops an fp32 -> bf16 -> fp32
-    round trip, and with it a compensated residual), no duck shaping (tensors of equal sizes in one call do not make a
+    matters when one compiles): with ``emulate_casts``, casts to bf16/fp16 kept as written (Inductor otherwise drops an
+    fp32 -> fp16 -> fp32 round trip, and with it a compensated residual; it costs a third of the kernel's time), no
+    duck shaping (tensors of equal sizes in one call do not make a
     graph that needs them equal), room for one graph per group length, dtype and variant (dynamo's
     ``recompile_limit``), and vectorized same-width bit casts on CPU (the stochastic rounding's, otherwise scalar and
     most of the kernel's time). Private
@@ -323,7 +324,7 @@ def multi_tensor_compile(recompile_limit: int = 64) -> Iterator[None]:
     try:
         import torch._inductor.config as inductor_config
 
-        set_attribute(inductor_config, "emulate_precision_casts", True)  # a bf16 rounding is kept, not elided
+        set_attribute(inductor_config, "emulate_precision_casts", emulate_casts)
     except ImportError:  # pragma: no cover - torch without Inductor
         pass
     try:

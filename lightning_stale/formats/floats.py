@@ -45,6 +45,18 @@ _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
+def nearest_on_grid(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """fp32 ``x`` rounded to the nearest value of ``dtype`` (bf16 or fp16; ties to even, as the cast), still in fp32.
+    bf16 rounds the fp32 bit pattern with integer ops: a compiler cannot fold the round trip away (Inductor drops an
+    fp32 -> bf16 -> fp32 cast pair unless told to emulate casts, which slows every kernel); fp16 casts twice (compile
+    it with ``emulate_precision_casts``)."""
+    if dtype == torch.bfloat16:
+        bits = x.view(torch.int32)
+        rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
+        return torch.where(x.isnan(), x, rounded)  # a NaN stays one (adding to its bits could make it inf)
+    return x.to(dtype).float()
+
+
 def on_grid(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
     """fp32 ``x`` stochastically rounded onto the grid of ``dtype`` (bf16 or fp16), still in fp32 (the caller's copy
     into ``dtype`` is then exact), saturating at its largest finite value; ``noise``: int32 in [0, 2^NOISE_BITS)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale import _compat
-from lightning_stale.formats.floats import on_grid
+from lightning_stale.formats.floats import nearest_on_grid, on_grid
 from lightning_stale.formats.noise import NOISE_MASK, as_int32, counter_hash, mix32
 
 GROUP = 8  # tensors per compiled call; a shorter tail runs as groups of 4, 2 and 1 (one graph per length)
@@ -63,11 +63,12 @@ def write_weight(param: Tensor, buffer: Tensor | None, new: Tensor, rounding: st
     most half a grid gap) stored into ``buffer``, which the next update adds back in."""
     if rounding == "stochastic":
         param.copy_(on_grid(new, param.dtype, bits & NOISE_MASK))
-        return
-    rounded = new.to(param.dtype)
-    if buffer is not None:
-        buffer.copy_(new - rounded.float())
-    param.copy_(rounded)
+    elif buffer is None:
+        param.copy_(new)
+    else:
+        rounded = nearest_on_grid(new, param.dtype)
+        buffer.copy_(new - rounded)
+        param.copy_(rounded)
 
 
 def write_moments(stored: Sequence[Tensor], values: Sequence[Tensor], rounding: str, bits: Tensor | None) -> None:
@@ -157,6 +158,7 @@ class MultiTensor:
     def _run_compiled(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
         if self._compiled is None:
             self._compiled = torch.compile(self._loop, dynamic=True, fullgraph=True)
-        with _compat.multi_tensor_compile():
+        # fp16's nearest rounding is a cast pair, which Inductor keeps only when it emulates casts (bf16's is bit ops)
+        with _compat.multi_tensor_compile(emulate_casts=any(t.dtype == torch.float16 for t in columns[0])):
             for start, stop in _groups(len(columns[0])):
                 self._compiled([column[start:stop] for column in columns], [row[start:stop] for row in rows], flags)
