@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import logged, make_optimizer, trainer_for
 from lightning_stale import StaleStateCallback
-from lightning_stale.monitor.messages import StaleStateWarning
+from lightning_stale.messages import StaleStateWarning
 
 transformers = pytest.importorskip("transformers")
 VOCAB, CONTEXT = 96, 16

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_stale import MonitorOptions, StaleStateCallback, StaleStateMonitor
-from lightning_stale.monitor.state import STATE_VERSION
+from lightning_stale.state import STATE_VERSION
 from lightning_stale.policies import PeriodicReset, TheoryReset
 from lightning_stale.remedies import AutoRemedy
 

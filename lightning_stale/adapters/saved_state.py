@@ -27,6 +27,7 @@ from lightning_stale import _compat
 from lightning_stale.adapters import bnb_layout
 from lightning_stale.adapters.layouts import BlockFp8Slot, BlockQmapSlot, FloatSlot
 from lightning_stale.adapters.protocol import Moment, Slot
+from lightning_stale.state import from_json, upgrade
 
 BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state_dict nests its quantization state
 CHECKPOINT = ("an optimizer state_dict or a checkpoint holding one (a Lightning .ckpt, a torch.save'd dict, a Hugging "
@@ -519,8 +520,6 @@ def _monitors_in(obj: Mapping[str, Any], count: int, notes: list[str]) -> list[M
 def _monitor_parts(state: Any, source: str, count: int | None, notes: list[str]) -> list[MonitorPart | None]:
     """One :class:`MonitorPart` per optimizer of a saved monitor state (upgraded to the current layout), aligned with
     ``count`` optimizers when given; notes why a state cannot be read."""
-    from lightning_stale.monitor.state import upgrade
-
     try:
         state = upgrade(dict(state))
     except (ValueError, TypeError) as error:
@@ -561,8 +560,6 @@ def _hugging_face(folder: Path, trusted: bool) -> Checkpoint:
         entry = entry[0] if isinstance(entry, list) and entry else entry
         saved = entry.get("attributes", {}).get("saved_state") if isinstance(entry, Mapping) else None
     if saved:
-        from lightning_stale.monitor.state import from_json
-
         checkpoint.monitors = _monitor_parts(from_json(saved), "trainer_state.json", 1, checkpoint.notes)
     else:
         checkpoint.monitors = [None]

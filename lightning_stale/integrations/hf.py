@@ -32,7 +32,7 @@ from lightning_stale._compat import hf_exportable_state
 from lightning_stale.decide.lr_outlook import UNKNOWN_LAST_STEP
 from lightning_stale.monitor.monitor import StaleStateMonitor
 from lightning_stale.monitor.options import MonitorOptions
-from lightning_stale.monitor.state import from_json, to_json
+from lightning_stale.state import from_json, to_json
 
 
 class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):

@@ -13,7 +13,7 @@ from torch import Tensor
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.layouts import FLOAT_FORMATS, FloatSlot
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.measure.sampling import Sample
+from lightning_stale.adapters.sampling import Sample
 from lightning_stale.vocab import WEIGHT
 
 LOW_PRECISION_WEIGHTS = (torch.bfloat16, torch.float16)  # weights whose writes can round an update away

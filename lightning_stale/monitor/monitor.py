@@ -32,12 +32,12 @@ from lightning_stale.adapters.protocol import Slot
 from lightning_stale.decide.ledger import LedgerRow
 from lightning_stale.decide.remedies import GUARD, STOCHASTIC
 from lightning_stale.measure.engine import StallEngine
+from lightning_stale.messages import Notices, ParamNames, StaleStateInternalWarning, StaleStateWarning, info
 from lightning_stale.monitor import metrics
-from lightning_stale.monitor.collective import Collective, Reduce, default_reduce, world_size
-from lightning_stale.monitor.messages import Notices, ParamNames, StaleStateInternalWarning, StaleStateWarning, info
 from lightning_stale.monitor.options import MonitorOptions
 from lightning_stale.monitor.pipeline import OptimizerPipeline
-from lightning_stale.monitor.state import STATE_VERSION, upgrade
+from lightning_stale.ranks import Reduce, default_reduce, summed, world_size
+from lightning_stale.state import STATE_VERSION, upgrade
 from lightning_stale.vocab import QUANTITIES
 from lightning_stale.vocab import check_int
 
@@ -91,7 +91,7 @@ class StaleStateMonitor:
         check_int("coverage_steps", coverage_steps)
         check_int("steps_taken", steps_taken, minimum=0)
         self.options, self.policy, self.remedy = options, options.policy, options.remedy_rule
-        self._collective = Collective(reduce if reduce is not None else default_reduce())
+        self._reduce = reduce if reduce is not None else default_reduce()
         self._listeners: list[ResetListener] = []
         self._handles: list[RemovableHandle] = []
         self._notices = Notices()
@@ -201,7 +201,7 @@ class StaleStateMonitor:
         ages = np.concatenate([t.ledger.ages for t in self._pipelines])
         betas = [e.slot.beta for t in self._pipelines for e in t.engine.entries.values()
                  if e.moment == "v" and e.slot.beta is not None]
-        row = metrics.row(self._collective.sum(vector), prefix, self.reset_events,
+        row = metrics.row(summed(vector, self._reduce), prefix, self.reset_events,
                           float(ages.mean()) if ages.size else None, sum(betas) / len(betas) if betas else None)
         if self.remedy is not None and row:  # decisions are agreed across ranks: rank-local counts are global
             chosen = np.concatenate([t.ledger.arrays["remedy"] for t in self._pipelines])
@@ -275,7 +275,7 @@ class StaleStateMonitor:
     def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int,
                 keeps_tensors: bool) -> OptimizerPipeline:
         adapter = adapters.adapter_for(source, strict=self.options.strict)
-        pipeline = OptimizerPipeline(adapter, index, self.options, self._collective, self._names,
+        pipeline = OptimizerPipeline(adapter, index, self.options, self._reduce, self._names,
                                      self._notices.warn_once, self._listeners, coverage_steps, steps_taken,
                                      keeps_tensors)
         optimizer = adapter.optimizer
