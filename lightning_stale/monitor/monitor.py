@@ -4,8 +4,8 @@ Data flow per optimizer (an :class:`~lightning_stale.monitor.pipeline.OptimizerP
 adapter (slots) -> :class:`~lightning_stale.measure.engine.StallEngine` (counts, in torch's optimizer step hooks) ->
 :class:`~lightning_stale.decide.ledger.Ledger` (bookkeeping) and
 :class:`~lightning_stale.decide.forecast.StallForecast` (the theory) -> the policy and the remedy (decide) ->
-:class:`~lightning_stale.act.interventions.Interventions` (act, in place). :meth:`StaleStateMonitor.compute` turns the
-counts into one row of metrics (:mod:`lightning_stale.monitor.metrics`).
+:class:`~lightning_stale.act.interventions.Interventions` (act, in place). :attr:`StaleStateMonitor.metric`, a
+torchmetrics Metric (:mod:`lightning_stale.monitor.window`), turns the counts into one row of metrics.
 The monitor only attaches, shields and aggregates; the Lightning Trainer callback and the other front-ends are thin
 wrappers around it.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -30,19 +29,17 @@ from lightning_stale.act.interventions import ListenerError, ResetEvent, ResetLi
 import lightning_stale.adapters as adapters
 from lightning_stale.adapters.protocol import Slot
 from lightning_stale.decide.ledger import LedgerRow
-from lightning_stale.decide.remedies import GUARD, STOCHASTIC
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.messages import Notices, ParamNames, StaleStateInternalWarning, StaleStateWarning, info
-from lightning_stale.monitor import metrics
 from lightning_stale.monitor.options import MonitorOptions
 from lightning_stale.monitor.pipeline import OptimizerPipeline
-from lightning_stale.ranks import Reduce, default_reduce, summed, world_size
+from lightning_stale.monitor.window import StaleStateMetric
+from lightning_stale.ranks import Reduce, default_reduce, world_size
 from lightning_stale.state import STATE_VERSION, upgrade
-from lightning_stale.vocab import QUANTITIES
 from lightning_stale.vocab import check_int
 
-__all__ = ["MonitorOptions", "ResetEvent", "ResetListener", "StaleStateInternalWarning", "StaleStateMonitor",
-           "StaleStateWarning"]
+__all__ = ["MonitorOptions", "ResetEvent", "ResetListener", "StaleStateInternalWarning", "StaleStateMetric",
+           "StaleStateMonitor", "StaleStateWarning"]
 
 
 class StaleStateMonitor:
@@ -59,6 +56,8 @@ class StaleStateMonitor:
                 print(monitor.compute())  # or writer.add_scalars / wandb.log / fabric.log_dict
                 monitor.reset_window()  # the next row covers the next 50 steps
         monitor.close()
+
+    :attr:`metric` is the same window as a torchmetrics Metric (``compute()``, ``reset()``, a ``MetricCollection``).
 
     Args:
         optimizers: a torch optimizer, a wrapper of one (``LightningOptimizer``, accelerate's ``AcceleratedOptimizer``)
@@ -101,6 +100,7 @@ class StaleStateMonitor:
         self._names = ParamNames(names, len(sources))
         self._pipelines = [self._attach(i, source, coverage_steps, steps_taken, keeps_tensors)
                            for i, source in enumerate(sources)]
+        self.metric = StaleStateMetric(self._pipelines, options, self._names, self._reduce)  # the window's metrics
 
     # -- queries -----------------------------------------------------------------------------------------------------
     @property
@@ -172,51 +172,23 @@ class StaleStateMonitor:
 
     # -- metrics -----------------------------------------------------------------------------------------------------
     def compute(self) -> dict[str, float]:
-        """The metrics of every measured step since the last :meth:`reset_window`, summed across ranks. A readout:
-        calling it again gives the same row; call :meth:`reset_window` after logging a row to start the next one.
+        """The metrics of every measured step since the last :meth:`reset_window`, summed across ranks:
+        :attr:`metric`'s ``compute()``. A readout: calling it again gives the same row; call :meth:`reset_window`
+        after logging a row to start the next one.
 
         A collective when ``reduce`` is set: call it on every rank at the same steps.
         """
-        row, per_param = self.compute_parts()
-        return {**row, **per_param}
+        return self.metric.compute()
 
     def compute_parts(self) -> tuple[dict[str, float], dict[str, float]]:
         """:meth:`compute` as (the aggregate row, the per-parameter fractions of this rank) for front-ends that log
         them through different paths."""
-        prefix = self.options.log_key_prefix
-        vector = torch.zeros(len(QUANTITIES) * metrics.PER_MOMENT, dtype=torch.float64)
-        per_param: dict[str, float] = {}
-        for t in self._pipelines:
-            engine = t.engine
-            totals, predicted = engine.window(), t.forecast.window(engine.entries)
-            predicted += t.weight_predictions(totals[:, metrics.COUNTED].numpy() > 0)
-            drift = [(engine.entries[k].moment, value, engine.drift_weight(k)) for k, value in engine.drift().items()]
-            vector += metrics.moment_vector(totals, [e.moment for e in engine.entries.values()], drift, predicted)
-            if self.options.log_per_param:
-                for entry, row in zip(engine.entries.values(), totals.tolist()):
-                    if row[metrics.COUNTED] > 0:
-                        name = self._names(entry.unit.param, entry.unit.key, engine.prefix)
-                        per_param[metrics.key(prefix, name, entry.slot.key, metrics.FRAC)] = \
-                            row[metrics.STALLED] / row[metrics.COUNTED]
-        ages = np.concatenate([t.ledger.ages for t in self._pipelines])
-        betas = [e.slot.beta for t in self._pipelines for e in t.engine.entries.values()
-                 if e.moment == "v" and e.slot.beta is not None]
-        row = metrics.row(summed(vector, self._reduce), prefix, self.reset_events,
-                          float(ages.mean()) if ages.size else None, sum(betas) / len(betas) if betas else None)
-        if self.remedy is not None and row:  # decisions are agreed across ranks: rank-local counts are global
-            chosen = np.concatenate([t.ledger.arrays["remedy"] for t in self._pipelines])
-            row.update(metrics.remedy_row(prefix, int((chosen == GUARD).sum()), int((chosen == STOCHASTIC).sum()),
-                                          self.remedy_resets))
-        writebacks = [t.writeback for t in self._pipelines if t.writeback is not None]
-        if writebacks and row:
-            row[metrics.key(prefix, metrics.REMEDY, metrics.WEIGHTS)] = float(sum(w.handled for w in writebacks))
-        return row, per_param
+        return self.metric.compute_parts()
 
     def reset_window(self) -> None:
         """Start a new window: the next :meth:`compute` covers only the steps after this call (the optimizer states
-        and the reset bookkeeping are untouched)."""
-        for t in self._pipelines:
-            t.reset_window()
+        and the reset bookkeeping are untouched); :attr:`metric`'s ``reset()``."""
+        self.metric.reset()
 
     # -- lifecycle and state -----------------------------------------------------------------------------------------
     def close(self) -> None:
