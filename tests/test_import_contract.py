@@ -1,7 +1,7 @@
 """The layering the package's tree promises, read from the source with ``ast`` (nothing is imported):
 
-- only ``integrations/`` imports Lightning or transformers (and the apps ``demo/`` and ``commands/``, the top-level
-  re-export modules of integrations, and ``_compat.py``, whose guarded imports sit inside functions);
+- only ``integrations/`` imports Lightning or transformers (and the apps ``demo/`` and ``commands/``, and
+  ``_compat.py``, whose guarded imports sit inside functions);
 - ``theory/`` imports nothing of the monitor: only itself and the shared vocabulary;
 - no module imports from a layer above its own (:data:`LAYERS`, every subpackage and top-level module, lowest first).
 """
@@ -16,7 +16,6 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_stale"
 FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate", "peft")
 APPS = ("integrations", "demo", "commands")
-REEXPORTS = ("fabric.py", "hf.py", "factory.py")  # the documented paths of integrations' modules
 
 
 def modules() -> list[Path]:
@@ -67,7 +66,7 @@ def test_the_contract_reads_real_imports() -> None:
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_only_integrations_import_training_frameworks(path: Path) -> None:
-    if part(path) in APPS or part(path) in REEXPORTS:
+    if part(path) in APPS:
         return
     if part(path) == "_compat.py":  # guarded imports with a fallback, each inside the function that needs it
         found = [n for n in imports(path, module_level_only=True) if is_framework(n)]
