@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_stale.hf import add_stale_callback  # noqa: E402
 from lightning_stale.optim import QuantizedAdamW  # noqa: E402
+from lightning_stale.state import STATE_VERSION  # noqa: E402
 
 STEPS, SAVE_EVERY = 30, 10
 
@@ -70,7 +71,7 @@ def test_hugging_face_resume_continues_the_callback_exactly(tmp_path, kind):
     assert resets or rows[-1].get("stale/remedy/guard", 0) > 0 or rows[-1].get("stale/remedy/weights", 0) > 0
     saved = json.loads((tmp_path / "full" / "checkpoint-20" / "trainer_state.json").read_text())
     saved_state = saved["stateful_callbacks"]["StaleStateHFCallback"]["attributes"]["saved_state"]
-    assert saved_state["version"] == 3
+    assert saved_state["version"] == STATE_VERSION
     if kind.endswith("bf16"):
         assert saved_state["optimizers"][0]["weights"]["rounding"] == "stochastic"
     plain_weights, _, _ = hf_run(tmp_path / "plain", kind, with_callback=False)

@@ -335,7 +335,7 @@ def v_sample(state_dicts: Sequence[Mapping[str, Any]], limit: int = 1_000_000,
 # -- checkpoints -------------------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class MonitorPart:
-    """One optimizer's part of a saved monitor state (version 3 layout: steps, schedule, interventions, ...)."""
+    """One optimizer's part of a saved monitor state (the current layout: steps, engine, forecast, ledger, ...)."""
 
     state: Mapping[str, Any]
     index: int  # the optimizer's index inside its monitor: the prefix of its unit keys, f"opt{index}"

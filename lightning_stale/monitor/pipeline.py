@@ -290,7 +290,7 @@ class OptimizerPipeline:
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state = {"steps": self.steps, "engine": self.engine.state_dict(), "forecast": self.forecast.state_dict(),
-                 "schedule": self.ledger.state_dict(), "interventions": self.interventions.state_dict()}
+                 "ledger": self.ledger.state_dict(), "interventions": self.interventions.state_dict()}
         if self.writeback is not None:
             state["weights"] = self.writeback.state_dict()
         return state
@@ -301,7 +301,7 @@ class OptimizerPipeline:
         self.steps = int(state["steps"])
         self.engine.load_state_dict(state["engine"], counts=counts, shadows=shadows)
         self.forecast.load_state_dict(state["forecast"] if counts else {})
-        self.ledger.load_state_dict(state["schedule"] if periods else without_periods(state["schedule"]))
+        self.ledger.load_state_dict(state["ledger"] if periods else without_periods(state["ledger"]))
         self.interventions.load_state_dict(state["interventions"])
         if self.writeback is not None and "weights" in state:
             self.writeback.load_state_dict(state["weights"])
