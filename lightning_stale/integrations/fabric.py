@@ -41,8 +41,7 @@ class StaleStateFabricCallback:
     """
 
     def __init__(self, log_every_n_steps: int = 50, fabric: Any = None, **options: Any) -> None:
-        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
-            raise ValueError(f"`log_every_n_steps` must be an int >= 0, got {log_every_n_steps!r}")
+        check_int("log_every_n_steps", log_every_n_steps, minimum=0)
         self.options = MonitorOptions.from_arguments(type(self).__name__, options)
         self.log_every_n_steps = log_every_n_steps
         self.monitors: dict[int, StaleStateMonitor] = {}  # by id of the raw optimizer, in order of first step

@@ -106,22 +106,22 @@ class StaleStateMonitor:
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The raw optimizers whose step hooks the monitor uses."""
-        return [t.optimizer for t in self._pipelines]
+        return [pipeline.optimizer for pipeline in self._pipelines]
 
     @property
     def steps(self) -> list[int]:
         """Real optimizer steps counted per optimizer (skipped steps excluded)."""
-        return [t.steps for t in self._pipelines]
+        return [pipeline.steps for pipeline in self._pipelines]
 
     @property
     def reset_events(self) -> int:
         """Resets applied so far (one event may reset several parameters)."""
-        return sum(t.interventions.resets for t in self._pipelines)
+        return sum(pipeline.interventions.resets for pipeline in self._pipelines)
 
     @property
     def remedy_resets(self) -> int:
         """Parameter resets the remedy made so far."""
-        return sum(t.interventions.remedy_resets for t in self._pipelines)
+        return sum(pipeline.interventions.remedy_resets for pipeline in self._pipelines)
 
     def slots(self, optimizer_index: int = 0) -> list[Slot]:
         """The slots tracked for one optimizer (after its first step)."""
@@ -133,13 +133,14 @@ class StaleStateMonitor:
 
     def engines(self) -> list[StallEngine]:
         """The engine of each optimizer (its readouts: :meth:`StallEngine.tensors`, windows, drift)."""
-        return [t.engine for t in self._pipelines]
+        return [pipeline.engine for pipeline in self._pipelines]
 
     def resident_bytes(self) -> int:
         """Memory the monitor keeps between steps, for budgeting: every tensor and array of its components (the
         optimizer state it reads is not counted)."""
-        return sum(t.engine.resident_bytes() + t.forecast.resident_bytes() + t.ledger.resident_bytes()
-                   + t.interventions.resident_bytes() for t in self._pipelines) + self.weight_buffer_bytes()
+        return sum(pipeline.engine.resident_bytes() + pipeline.forecast.resident_bytes()
+                   + pipeline.ledger.resident_bytes() + pipeline.interventions.resident_bytes()
+                   for pipeline in self._pipelines) + self.weight_buffer_bytes()
 
     def weight_buffer_bytes(self) -> int:
         """Of :meth:`resident_bytes`, the weight write-back's compensation buffers (2 bytes per bf16 element it
@@ -148,7 +149,7 @@ class StaleStateMonitor:
 
     def reset_periods(self) -> dict[str, int | None]:
         """The reset period chosen for each parameter (by name), once its state exists."""
-        return {t.name(u): u.period for t in self._pipelines for u in t.ledger.rows}
+        return {pipeline.name(row): row.period for pipeline in self._pipelines for row in pipeline.ledger.rows}
 
     def watches(self, optimizer: object) -> bool:
         """Whether ``optimizer`` (or a wrapper of it: Lightning's and Fabric's share its param groups) is watched."""
@@ -163,7 +164,7 @@ class StaleStateMonitor:
         pipeline = self._pipeline_of(getattr(scheduler, "optimizer", None))
         if pipeline is None:
             raise ValueError(f"`scheduler` ({type(scheduler).__name__}) must step one of the monitor's optimizers "
-                             f"({', '.join(type(t.optimizer).__name__ for t in self._pipelines)})")
+                             f"({', '.join(type(pipeline.optimizer).__name__ for pipeline in self._pipelines)})")
         pipeline.follow(scheduler, last_step, every)
 
     def add_reset_listener(self, listener: ResetListener) -> None:
@@ -208,7 +209,7 @@ class StaleStateMonitor:
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "rank": _compat.global_rank(), "world_size": world_size(),
                 "policy": repr(self.policy),
-                "optimizers": [t.state_dict() for t in self._pipelines]}
+                "optimizers": [pipeline.state_dict() for pipeline in self._pipelines]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (this version's or an earlier one's): counts in the current window,
@@ -260,7 +261,8 @@ class StaleStateMonitor:
 
     def _pipeline_of(self, optimizer: object) -> OptimizerPipeline | None:
         groups = getattr(optimizer, "param_groups", None)
-        return next((t for t in self._pipelines if groups is not None and t.optimizer.param_groups is groups), None)
+        return next((pipeline for pipeline in self._pipelines
+                     if groups is not None and pipeline.optimizer.param_groups is groups), None)
 
     def _shielded(self, hook: Callable[[], None], pipeline: OptimizerPipeline) -> None:
         try:

@@ -122,17 +122,17 @@ class StaleStateMetric(Metric):
         """The aggregates from ``window`` (summed across processes inside a sync), the reset counts and what the
         remedy and the weight write-back do now."""
         pipelines, prefix = self._pipelines, self.prefix
-        ages = np.concatenate([p.ledger.ages for p in pipelines])
-        betas = [e.slot.beta for p in pipelines for e in p.engine.entries.values()
-                 if e.moment == "v" and e.slot.beta is not None]
-        resets = sum(p.interventions.resets for p in pipelines)
+        ages = np.concatenate([pipeline.ledger.ages for pipeline in pipelines])
+        betas = [entry.slot.beta for pipeline in pipelines for entry in pipeline.engine.entries.values()
+                 if entry.moment == "v" and entry.slot.beta is not None]
+        resets = sum(pipeline.interventions.resets for pipeline in pipelines)
         row = metrics.row(self.window.cpu().numpy(), prefix, resets, float(ages.mean()) if ages.size else None,
                           sum(betas) / len(betas) if betas else None)
         if self._options.remedy_rule is not None and row:  # decisions are agreed across ranks: local counts are global
-            chosen = np.concatenate([p.ledger.arrays["remedy"] for p in pipelines])
+            chosen = np.concatenate([pipeline.ledger.arrays["remedy"] for pipeline in pipelines])
             row.update(metrics.remedy_row(prefix, int((chosen == GUARD).sum()), int((chosen == STOCHASTIC).sum()),
-                                          sum(p.interventions.remedy_resets for p in pipelines)))
-        writebacks = [p.writeback for p in pipelines if p.writeback is not None]
+                                          sum(pipeline.interventions.remedy_resets for pipeline in pipelines)))
+        writebacks = [pipeline.writeback for pipeline in pipelines if pipeline.writeback is not None]
         if writebacks and row:
             row[metrics.key(prefix, metrics.REMEDY, metrics.WEIGHTS)] = float(sum(w.handled for w in writebacks))
         return row
