@@ -121,12 +121,13 @@ class Module(L.LightningModule):
 
 
 def run_trainer(tmp_path: Path) -> tuple[Path, Probe]:
-    module = Module()
+    module, callback = Module(), StaleStateCallback(**OPTIONS)
+    assert callback.metric is None  # until the fit starts
     trainer = L.Trainer(default_root_dir=tmp_path, max_steps=STEPS, log_every_n_steps=EVERY, accelerator="cpu",
                         logger=CSVLogger(tmp_path, name="trainer", version=0), enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[StaleStateCallback(**OPTIONS)])
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
     trainer.fit(module)
+    assert isinstance(callback.metric, torchmetrics.Metric) and callback.metric is callback.monitor.metric
     return tmp_path / "trainer" / "version_0" / "metrics.csv", module.probe
 
 
@@ -187,7 +188,9 @@ def test_hugging_face_trainer_with_bitsandbytes_8bit(tmp_path):
 
     attach = AttachProbe()
     trainer.callback_handler.callbacks.insert(0, attach)
+    assert callback.metric is None  # until training begins
     trainer.train()
+    assert isinstance(callback.metric, torchmetrics.Metric) and callback.metric is callback.monitor.metric
     rows = [r for r in trainer.state.log_history if "stale/v/frac" in r]
     assert len(rows) == 12 // EVERY
     assert [r["stale/v/frac"] for r in rows] == pytest.approx(attach.probe.windows(EVERY, 12), rel=1e-12)
