@@ -95,6 +95,7 @@ def test_hugging_face_refuses_compensated_weights_it_could_only_save_as_json(wei
         StaleStateHFCallback(weights=weights)
 
 
+@pytest.mark.slow  # two Fabric runs in subprocesses: about 40 s on a loaded 2-core machine
 @pytest.mark.parametrize("kind", ["bnb", "bf16", "bf16auto"])
 def test_fabric_resume_in_a_new_process_equals_the_uninterrupted_run(tmp_path, kind):
     """bnb: 8-bit states with periodic resets; bf16: a bf16-true model whose weights the compensated write-back
