@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "StaleStateCallback": "lightning_stale.integrations.callback",
     "StaleStateMonitor": "lightning_stale.monitor.monitor",
+    "StaleStateMetric": "lightning_stale.monitor.window",
     "MonitorOptions": "lightning_stale.monitor.options",
     "ResetEvent": "lightning_stale.act.interventions",
     "QuantizedAdamW": "lightning_stale.optim",
@@ -24,11 +25,13 @@ if TYPE_CHECKING:
     from lightning_stale.integrations.callback import StaleStateCallback
     from lightning_stale.act.interventions import ResetEvent
     from lightning_stale.monitor.monitor import StaleStateMonitor
+    from lightning_stale.monitor.window import StaleStateMetric
     from lightning_stale.monitor.options import MonitorOptions
     from lightning_stale.optim import QuantizedAdamW
 
 __all__ = [
-    "MonitorOptions", "ResetEvent", "StaleStateCallback", "StaleStateMonitor", "QuantizedAdamW", "adapter_for", "register_adapter",
+    "MonitorOptions", "ResetEvent", "StaleStateCallback", "StaleStateMetric", "StaleStateMonitor", "QuantizedAdamW",
+    "adapter_for", "register_adapter",
     "__version__",
 ]
 

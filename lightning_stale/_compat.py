@@ -1,4 +1,5 @@
-"""Every access to another package's private or version-dependent API, each with a fallback.
+"""Every access to another package's private or version-dependent API, each with a fallback (torch's multi-tensor
+``torch._foreach_*`` ops aside: torch.optim's own building blocks, used where they are needed).
 
 Keeping them here means a rename upstream breaks one function, and its fallback keeps training runs alive.
 """

@@ -1,7 +1,5 @@
-"""The documented path of :mod:`lightning_stale.integrations.fabric` (this name is that module)."""
+"""The documented import path of the Lightning Fabric front-end (:mod:`lightning_stale.integrations.fabric`)."""
 
-import sys
+from lightning_stale.integrations.fabric import StaleStateFabricCallback
 
-from lightning_stale.integrations import fabric as _module
-
-sys.modules[__name__] = _module
+__all__ = ["StaleStateFabricCallback"]

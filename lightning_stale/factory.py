@@ -1,7 +1,6 @@
-"""The documented path of :mod:`lightning_stale.integrations.factory` (this name is that module)."""
+"""The documented import path of the ``LIGHTNING_STALE`` entry points (:mod:`lightning_stale.integrations.factory`)."""
 
-import sys
+from lightning_stale.integrations.factory import (ENV_VAR, callbacks_from_env, fabric_callbacks_from_env,
+                                                  options_from_env)
 
-from lightning_stale.integrations import factory as _module
-
-sys.modules[__name__] = _module
+__all__ = ["ENV_VAR", "callbacks_from_env", "fabric_callbacks_from_env", "options_from_env"]

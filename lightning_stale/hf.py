@@ -1,7 +1,5 @@
-"""The documented path of :mod:`lightning_stale.integrations.hf` (this name is that module)."""
+"""The documented import path of the Hugging Face Trainer front-end (:mod:`lightning_stale.integrations.hf`)."""
 
-import sys
+from lightning_stale.integrations.hf import StaleStateHFCallback, add_stale_callback
 
-from lightning_stale.integrations import hf as _module
-
-sys.modules[__name__] = _module
+__all__ = ["StaleStateHFCallback", "add_stale_callback"]

@@ -1,7 +1,7 @@
-"""The documented path of :mod:`lightning_stale.decide.policies` (this name is that module)."""
+"""The documented import path of the reset policies (:mod:`lightning_stale.decide.policies`)."""
 
-import sys
+from lightning_stale.decide.policies import (AdaptiveReset, DriftReset, PeriodicReset, ResetPolicy, TheoryReset,
+                                             check_band, check_min_interval, check_s0, make_policy)
 
-from lightning_stale.decide import policies as _module
-
-sys.modules[__name__] = _module
+__all__ = ["AdaptiveReset", "DriftReset", "PeriodicReset", "ResetPolicy", "TheoryReset", "check_band",
+           "check_min_interval", "check_s0", "make_policy"]

@@ -1,7 +1,7 @@
-"""The documented path of :mod:`lightning_stale.decide.remedies` (this name is that module)."""
+"""The documented import path of the remedies (:mod:`lightning_stale.decide.remedies`): the rule objects, and the
+remedy each parameter has (an index into ``REMEDIES``: ``NONE``, ``GUARD``, ``RESET``, ``STOCHASTIC``)."""
 
-import sys
+from lightning_stale.decide.remedies import (GUARD, GUARD_CHECKS, NONE, REMEDIES, RESET, STOCHASTIC, AutoRemedy, Remedy,
+                                             make_remedy)
 
-from lightning_stale.decide import remedies as _module
-
-sys.modules[__name__] = _module
+__all__ = ["GUARD", "GUARD_CHECKS", "NONE", "REMEDIES", "RESET", "STOCHASTIC", "AutoRemedy", "Remedy", "make_remedy"]

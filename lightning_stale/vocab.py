@@ -1,8 +1,9 @@
-"""The package's shared vocabulary: moment and rounding names and the argument checks, each defined once.
+"""The package's shared vocabulary: the names of the moments, of the quantities the engine measures and of the
+rounding modes, and the checks of user arguments.
 
-Every module that names a moment or a rounding mode, or validates a user argument, uses these, so a value is spelled
-one way everywhere and every invalid argument fails the same way: ``ValueError("`name` must be <what>, got <value>")``
-raised where the argument is given (construction or setup), never inside a training step.
+The checks give a bad value one message shape, ``ValueError("`name` must be <what>, got <value>")`` (:func:`invalid`),
+and the options, the front-ends and ``QuantizedAdamW`` run them where the argument is given (construction or setup),
+never inside a training step.
 """
 
 from __future__ import annotations

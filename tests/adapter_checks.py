@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from lightning_stale.adapters import adapter_for
 from lightning_stale.adapters.protocol import OptimizerAdapter
-from lightning_stale.measure.sampling import choose_sample
+from lightning_stale.adapters.sampling import choose_sample
 
 MakeOpt = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

@@ -1,10 +1,24 @@
-"""Fixtures only: the device every device-parametrized test runs on (``cpu`` always, ``cuda`` when present) and a
-fresh bitsandbytes override registry per test. The helpers the test files share live in ``helpers.py``."""
+"""Fixtures, and one intra-op thread per test process: the device every device-parametrized test runs on (``cpu``
+always, ``cuda`` when present) and a fresh bitsandbytes override registry per test. The helpers the test files share
+live in ``helpers.py``.
+
+The tests' tensors are small, and on a machine whose cores are busy with something else, intra-op threads that wait on
+each other slow a process far more than the work they share (a 316-tensor GPT-2 step: about 9 s with torch's default
+two threads and one core taken). ``OMP_NUM_THREADS`` also reaches every subprocess a test starts (the multi-process
+workers and the ranks Lightning launches for them, which keep it); a test that needs more threads sets them itself and
+says why.
+"""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported: read when its thread pool starts
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_stale import StaleStateMonitor
 from lightning_stale.adapters import adapter_for
-from lightning_stale.measure.sampling import choose_sample
+from lightning_stale.adapters.sampling import choose_sample
 
 LR = 1e-2
 FORMS = {"for-loop": False, "foreach": True}

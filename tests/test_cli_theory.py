@@ -23,6 +23,13 @@ def _number(out: str, label: str) -> float:
     return float(match.group(1).replace(",", ""))
 
 
+def test_period_offers_the_papers_float_formats_the_theory_knows():
+    from lightning_stale.commands.period import PAPER_FORMATS
+    from lightning_stale.theory import FORMAT_EPSILON
+
+    assert set(PAPER_FORMATS) == set(FORMAT_EPSILON)  # spelled twice so that --help does not import torch
+
+
 def test_period_bf16_prints_the_papers_numbers(capsys):
     rc, out, _ = _period(capsys, "--format", "bf16", "--beta2", "0.999")
     assert rc == 0

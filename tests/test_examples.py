@@ -53,3 +53,10 @@ def test_lightningcli_yaml():
     cli = load("lightningcli_main").main(["fit", "--config", str(EXAMPLES / "lightningcli.yaml"),
                                           "--trainer.max_steps=30"])
     assert 0.0 <= float(cli.trainer.callback_metrics["stale/v/frac"]) <= 1.0
+
+
+def test_torchmetrics_window(tmp_path):
+    example = load("torchmetrics_window")
+    metrics = example.main(steps=40, root=str(tmp_path))
+    assert 0.0 <= metrics["stale/v/frac"] <= 1.0 and metrics["mse"] > 0  # one MetricCollection, logged together
+    assert 0.0 <= example.plain_loop(steps=40)["stale/v/frac"] <= 1.0

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_stale import MonitorOptions, StaleStateCallback, StaleStateMonitor
 from lightning_stale.decide.ledger import LedgerRow
-from lightning_stale.decide.registry import POLICIES, register_policy
+from lightning_stale.decide.registry import POLICY_SHORTCUTS, register_policy
 from lightning_stale.policies import PeriodicReset, ResetPolicy
 from lightning_stale.vocab import MOMENTS, check_int, check_moments
 
@@ -56,7 +56,7 @@ def patient() -> Iterator[None]:
     register_policy("patient", AfterPatience, {"patience": check_patience, "moments": check_moments},
                     required={"patience": "a positive int number of optimizer steps"})
     yield
-    del POLICIES["patient"]
+    del POLICY_SHORTCUTS["patient"]
 
 
 def _train(policy: ResetPolicy | str, steps: int = 9, **options: object) -> list[tuple[int, int]]:

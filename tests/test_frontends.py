@@ -1,7 +1,7 @@
 """One engine, four front-ends: the Lightning Trainer callback, the Fabric callback (explicit and through the
 ``LIGHTNING_STALE`` entry point), a plain PyTorch loop and the Hugging Face Trainer. Each logs fractions equal to an
 independent count of the stored codes, and the Trainer, Fabric and plain-loop front-ends give the same rows on the
-same run."""
+same run. Under all of them, the window is a torchmetrics Metric: computed, reset, synced and collected as one."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torchmetrics
 from lightning.fabric.loggers import CSVLogger as FabricCSVLogger
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -120,12 +121,13 @@ class Module(L.LightningModule):
 
 
 def run_trainer(tmp_path: Path) -> tuple[Path, Probe]:
-    module = Module()
+    module, callback = Module(), StaleStateCallback(**OPTIONS)
+    assert callback.metric is None  # until the fit starts
     trainer = L.Trainer(default_root_dir=tmp_path, max_steps=STEPS, log_every_n_steps=EVERY, accelerator="cpu",
                         logger=CSVLogger(tmp_path, name="trainer", version=0), enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[StaleStateCallback(**OPTIONS)])
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
     trainer.fit(module)
+    assert isinstance(callback.metric, torchmetrics.Metric) and callback.metric is callback.monitor.metric
     return tmp_path / "trainer" / "version_0" / "metrics.csv", module.probe
 
 
@@ -186,7 +188,9 @@ def test_hugging_face_trainer_with_bitsandbytes_8bit(tmp_path):
 
     attach = AttachProbe()
     trainer.callback_handler.callbacks.insert(0, attach)
+    assert callback.metric is None  # until training begins
     trainer.train()
+    assert isinstance(callback.metric, torchmetrics.Metric) and callback.metric is callback.monitor.metric
     rows = [r for r in trainer.state.log_history if "stale/v/frac" in r]
     assert len(rows) == 12 // EVERY
     assert [r["stale/v/frac"] for r in rows] == pytest.approx(attach.probe.windows(EVERY, 12), rel=1e-12)
@@ -250,3 +254,118 @@ def test_fabric_ddp_sums_across_ranks_and_resets_together(tmp_path):
         window = [c for c in rank0["probe"][4 * i:4 * (i + 1)] if c[1] > 0]
         exact = sum(s for s, _ in window) / sum(c for _, c in window)
         assert abs(row["stale/v/frac"] - exact) < 0.05
+
+
+def train(model: nn.Module, optimizers: list[torch.optim.Optimizer], step_end=lambda step, loss: None) -> None:
+    """The run of :func:`batches`, every optimizer stepping each batch; ``step_end(step, loss)`` after each step."""
+    for step, (x, y) in enumerate(batches(), start=1):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        step_end(step, loss.detach())
+
+
+def test_the_monitors_metric_is_a_torchmetrics_metric_that_matches_the_count():
+    model = network()
+    opt = make_optimizer("bnb", model.parameters(), min_8bit_size=256)
+    probe = Probe(opt)
+    monitor = StaleStateMonitor(opt, names=model, coverage_steps=EVERY, track="exact")
+    metric, rows = monitor.metric, []
+    assert isinstance(metric, torchmetrics.Metric)
+
+    def log(step: int, loss: torch.Tensor) -> None:
+        if step % EVERY == 0:
+            rows.append(metric.compute())
+            assert monitor.compute() == rows[-1] and metric.compute() == rows[-1]  # a readout
+            metric.reset()  # the monitor's reset_window
+            assert monitor.compute() == {}
+
+    train(model, [opt], log)
+    assert [row["stale/v/frac"] for row in rows] == pytest.approx(probe.windows(EVERY, STEPS), rel=1e-12)
+
+
+def test_the_metric_sits_in_a_metric_collection_whose_calls_leave_the_window_alone():
+    model = network()
+    opt = make_optimizer("bnb", model.parameters(), min_8bit_size=256)
+    monitor = StaleStateMonitor(opt, names=model, coverage_steps=EVERY)
+    collection = torchmetrics.MetricCollection({"loss": torchmetrics.MeanMetric(), "stale": monitor.metric})
+    rows = []
+
+    def log(step: int, loss: torch.Tensor) -> None:
+        collection.update(loss) if step % 2 else collection(loss)  # update and forward pass the loss to both
+        if step % EVERY == 0:
+            row = collection.compute()
+            assert row["loss"] > 0 and {k: v for k, v in row.items() if k != "loss"} == monitor.compute()
+            rows.append(row)
+            collection.reset()
+            assert monitor.compute() == {}
+
+    train(model, [opt], log)
+    assert len(rows) == STEPS // EVERY and all(0.0 <= row["stale/v/frac"] <= 1.0 for row in rows[1:])
+
+
+def test_the_metric_sums_its_one_state_in_one_collective_on_logging_steps_only():
+    """Two identical runs, one as if on two identical ranks (``reduce`` doubles what it sums): the same rows, one
+    all-reduce of the window's vector per row, and no collective between logging steps once every parameter has its
+    first estimate (the check steps that agree decisions fall on logging steps, as in the front-ends)."""
+    calls: list[tuple[int, int]] = []  # (step, elements summed)
+    step_now = [0]
+
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append((step_now[0], tensor.numel()))
+        return tensor * 2
+
+    models = [network(), network()]
+    opts = [make_optimizer("bnb", m.parameters(), min_8bit_size=256) for m in models]
+    alone, doubled = (StaleStateMonitor(o, names=m, coverage_steps=EVERY, reduce=r)
+                      for o, m, r in zip(opts, models, (None, reduce)))
+    row_calls = []
+    for step, (x, y) in enumerate(batches(), start=1):
+        step_now[0] = step
+        for model, opt in zip(models, opts):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if step % EVERY == 0:
+            before = len(calls)
+            rows = [{k: v for k, v in m.compute().items() if not k.endswith("predicted")} for m in (doubled, alone)]
+            row_calls.append(calls[before:])
+            assert rows[0] == rows[1] != {}  # (with a reduce every rho-hat waits for an agreed estimate: predictions
+            # start later)
+            doubled.metric.sync()  # by hand: the summed state, then this process's own again
+            synced = doubled.metric.window.clone()
+            doubled.metric.unsync()
+            assert torch.equal(synced, 2 * doubled.metric.window) and synced.any()
+            doubled.reset_window()
+            alone.reset_window()
+    vector = len(doubled.metric.window)
+    assert all(call == [(step, vector)] for call, step in zip(row_calls, range(EVERY, STEPS + 1, EVERY)))
+    assert all(step % EVERY == 0 for step, _ in calls if step > EVERY), calls
+
+
+def test_fabric_rows_of_two_optimizers_are_one_metric_collection(tmp_path):
+    """The second optimizer's keys under ``stale/opt1/``, as two plain monitors on the same run would give them."""
+    def two_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+        return [make_optimizer("bnb", model[0].parameters(), min_8bit_size=256),
+                make_optimizer("torch", model[2].parameters())]
+
+    model = network()
+    opts = two_optimizers(model)
+    plain = [StaleStateMonitor(o, names=model, coverage_steps=EVERY, track="exact") for o in opts]
+    train(model, opts)
+    expected = {**plain[0].compute(), **{f"stale/opt1/{k.removeprefix('stale/')}": v
+                                          for k, v in plain[1].compute().items()}}
+
+    callback = StaleStateFabricCallback(log_every_n_steps=0, track="exact")
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[callback])
+    model = network()
+    model, *opts = fabric.setup(model, *two_optimizers(model))
+    train(model, opts)
+    assert isinstance(callback.metric, torchmetrics.MetricCollection) and list(callback.metric) == ["opt0", "opt1"]
+    row = callback.compute()
+    assert set(row) == set(expected) and "stale/opt1/v/frac" in row
+    # the predictions of a monitor attached inside the first step (Fabric's) start apart from a plain loop's
+    assert {k: v for k, v in row.items() if "predicted" not in k} == \
+        {k: v for k, v in expected.items() if "predicted" not in k}

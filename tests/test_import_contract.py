@@ -1,10 +1,9 @@
 """The layering the package's tree promises, read from the source with ``ast`` (nothing is imported):
 
-- only ``integrations/`` imports Lightning or transformers (and the apps ``demo/`` and ``commands/``, the top-level
-  re-export modules of integrations, and ``_compat.py``, whose guarded imports sit inside functions);
+- only ``integrations/`` imports Lightning or transformers (and the apps ``demo/`` and ``commands/``, and
+  ``_compat.py``, whose guarded imports sit inside functions);
 - ``theory/`` imports nothing of the monitor: only itself and the shared vocabulary;
-- the lower layers do not import the ones above them (measure does not import decide or act, decide does not import
-  act, and none of them imports the monitor or the integrations other than the monitor's messages and collective).
+- no module imports from a layer above its own (:data:`LAYERS`, every subpackage and top-level module, lowest first).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_stale"
 FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate", "peft")
 APPS = ("integrations", "demo", "commands")
-REEXPORTS = ("fabric.py", "hf.py", "factory.py")  # the documented paths of integrations' modules
 
 
 def modules() -> list[Path]:
@@ -68,7 +66,7 @@ def test_the_contract_reads_real_imports() -> None:
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_only_integrations_import_training_frameworks(path: Path) -> None:
-    if part(path) in APPS or part(path) in REEXPORTS:
+    if part(path) in APPS:
         return
     if part(path) == "_compat.py":  # guarded imports with a fallback, each inside the function that needs it
         found = [n for n in imports(path, module_level_only=True) if is_framework(n)]
@@ -85,15 +83,58 @@ def test_theory_imports_nothing_of_the_monitor(path: Path) -> None:
     assert not bad, f"theory/{path.name} imports {bad}"
 
 
-LOWER = {"measure": ("decide", "act", "integrations"), "decide": ("act", "integrations"), "act": ("integrations",)}
-SHARED_FROM_MONITOR = ("lightning_stale.monitor.messages", "lightning_stale.monitor.collective")
+# Every subpackage and top-level module of the package, lowest layer first. A module imports only from the layers
+# below its own and from inside its own part: nothing runs back up, and no two parts of one layer lean on each other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("_compat.py",),  # other packages' private and version-dependent APIs
+    ("vocab.py",),  # names and argument checks
+    ("messages.py", "ranks.py", "state.py"),  # what the user is told, sums across ranks, the saved state's versions
+    ("formats", "theory"),  # number formats; the stall theory
+    ("sim.py", "optim"),  # the theory's simulation; QuantizedAdamW
+    ("adapters",),  # optimizer state -> slots (and their samples)
+    ("measure",),  # slots -> counts
+    ("decide",),  # counts -> ledger, forecast, policies, remedies
+    ("act",),  # decisions -> resets, guards, weight writes
+    ("monitor",),  # the components around each optimizer
+    ("integrations",),  # the front-ends of training frameworks
+    ("fabric.py", "hf.py", "factory.py", "policies.py", "remedies.py"),  # documented paths, re-exporting
+    ("__init__.py",),
+    ("demo",),
+    ("commands",),
+    ("cli.py",),
+)
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
-@pytest.mark.parametrize("layer", sorted(LOWER))
-def test_lower_layers_do_not_import_upper_ones(layer: str) -> None:
-    for path in sorted((PACKAGE / layer).rglob("*.py")):
-        for name in imports(path):
-            upper = [f"lightning_stale.{u}" for u in LOWER[layer]]
-            assert not any(name == u or name.startswith(u + ".") for u in upper), f"{path} imports {name}"
-            if name.startswith("lightning_stale.monitor"):
-                assert name.startswith(SHARED_FROM_MONITOR), f"{path} imports {name}"
+def part_of_name(name: str) -> str | None:
+    """The part of the package an imported name lies in: None for other packages and for the package itself (the
+    base of ``from lightning_stale import _compat``); a name the package's ``__init__`` holds is ``__init__.py``'s."""
+    parts = name.split(".")
+    if parts[0] != "lightning_stale" or len(parts) == 1:
+        return None
+    if (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return f"{parts[1]}.py" if (PACKAGE / f"{parts[1]}.py").is_file() else "__init__.py"
+
+
+def test_every_part_of_the_package_has_a_layer() -> None:
+    found = {part(p) for p in modules()}
+    assert found == set(LAYER), f"not layered: {sorted(found - set(LAYER))}; gone: {sorted(set(LAYER) - found)}"
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_import_runs_back_up_a_layer(path: Path) -> None:
+    own = part(path)
+    for name in imports(path):
+        target = part_of_name(name)
+        if target is None or target == own:
+            continue
+        assert LAYER[target] < LAYER[own], (f"{path.relative_to(PACKAGE)} ({own}, layer {LAYER[own]}) imports {name} "
+                                             f"({target}, layer {LAYER[target]})")
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    assert part_of_name("lightning_stale.monitor.monitor") == "monitor"
+    assert part_of_name("lightning_stale.StaleStateCallback") == "__init__.py"
+    assert part_of_name("lightning_stale._compat") == "_compat.py" and part_of_name("lightning_stale") is None
+    assert LAYER[part_of_name("lightning_stale.monitor.metrics")] > LAYER["measure"]

@@ -103,10 +103,10 @@ def test_lightning_bitsandbytes_checkpoint_matches_the_live_monitor(tmp_path, ca
         if slot.format == "int8_dynamic":  # the live grid estimator on the live state, on the same sample
             assert rows[key].rho == slot_theory.estimate_rho(slot, key[0]) is not None
     saved = torch.load(path, weights_only=True)
-    schedule = next(iter(saved["callbacks"].values()))["optimizers"][0]["schedule"]
+    ledger = next(iter(saved["callbacks"].values()))["optimizers"][0]["ledger"]
     for p, unit in zip(params, monitor.rows()):
         assert p.unit == unit.key and p.step == 20
-        assert p.monitor["period"] == unit.period and schedule[unit.key]["period"] == (unit.period or -1)
+        assert p.monitor["period"] == unit.period and ledger[unit.key]["period"] == (unit.period or -1)
         assert p.monitor["age"] == unit.age == 20 and p.monitor["resets"] == 0
         v = next(m for m in p.moments if m.moment == "v")
         assert p.monitor["rho"] == unit.rho == v.rho  # the live monitor's rho-hat, saved, and the report's

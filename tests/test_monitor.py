@@ -12,7 +12,7 @@ from torch import nn
 
 from helpers import make_optimizer
 from lightning_stale import StaleStateMonitor
-from lightning_stale.monitor.messages import StaleStateInternalWarning
+from lightning_stale.messages import StaleStateInternalWarning
 from lightning_stale.optim import QuantizedAdamW
 
 

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import logged, make_optimizer, trainer_for
 from lightning_stale import StaleStateCallback
-from lightning_stale.monitor.messages import StaleStateWarning
+from lightning_stale.messages import StaleStateWarning
 
 transformers = pytest.importorskip("transformers")
 VOCAB, CONTEXT = 96, 16
@@ -131,6 +131,7 @@ def test_logged_fractions_equal_an_independent_count_window_by_window(tmp_path, 
         assert len(trainer.callbacks[0].reset_periods()) == len(list(model.net.parameters()))  # one unit per tensor
 
 
+@pytest.mark.slow  # 170 steps each: the 316-tensor GPT-2 about 1 minute with one thread, 1.5 with a core taken
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_theory_resets_happen_on_schedule_and_training_completes(tmp_path, setup):
     callback = StaleStateCallback(reset="theory", s0=0.05)

@@ -15,7 +15,6 @@ from lightning_stale.measure.counting import Counts
 from lightning_stale.measure.drift import DriftPanel
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.measure.rows import KeyedRows
-from lightning_stale.monitor.collective import Collective
 
 
 def test_keeps_rows_by_key_stashes_departed_ones_and_returns_them() -> None:
@@ -120,7 +119,7 @@ def test_drift_panel_stashes_the_shadow_of_a_departed_slot_and_restores_it() -> 
 
 def _forecast(entries: dict) -> tuple[StallForecast, np.ndarray]:
     """A forecast aligned with ``entries`` whose prediction sums are 0, 1, 2, ... row by row."""
-    forecast = StallForecast(Collective(None), lambda key, message: None, lambda unit: "")
+    forecast = StallForecast(None, lambda key, message: None, lambda unit: "")
     forecast.align(entries)
     values = np.arange(2.0 * len(entries)).reshape(-1, 2)
     forecast.sums[:] = values
@@ -136,7 +135,7 @@ def test_forecast_carries_and_restores_prediction_sums() -> None:
     assert forecast.sums.tolist() == values[1:].tolist() and forecast.rows.stash == {first: [0.0, 1.0]}
     forecast.align(entries)  # and come back with it
     assert forecast.sums.tolist() == values.tolist() and not forecast.rows.stash
-    loaded = StallForecast(Collective(None), lambda key, message: None, lambda unit: "")
+    loaded = StallForecast(None, lambda key, message: None, lambda unit: "")
     loaded.load_state_dict(forecast.state_dict())
     loaded.align(entries)
     assert loaded.sums.tolist() == values.tolist()

@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from lightning_stale.sim import COLUMNS, SimConfig, plot_runs, simulate
 from lightning_stale.theory import format_rho_hat, reset_period, stall_probability, stall_probability_after
 
 STATIONARY = dict(change_step=None, scale_after=None)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The simulated tensors are small: on a shared 2-core machine intra-op threads make a run ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_bf16_nearest_build_up_and_steady_state_match_the_theory():

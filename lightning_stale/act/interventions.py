@@ -23,7 +23,7 @@ from lightning_stale.adapters.protocol import OptimizerAdapter, Slot
 from lightning_stale.decide.ledger import Ledger, LedgerRow
 from lightning_stale.decide.remedies import GUARD, GUARD_CHECKS, NONE, RESET, STOCHASTIC, Remedy
 from lightning_stale.measure.engine import StallEngine
-from lightning_stale.monitor.messages import info
+from lightning_stale.messages import info
 
 UNDERFLOW_FREE = ("fp32", "fp64")  # v formats the guard skips (see Interventions.guard)
 POST_RESET_GUARD_STEPS = 30  # steps after a reset during which the underflow guard protects the reset parameters

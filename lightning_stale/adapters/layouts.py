@@ -17,9 +17,9 @@ from torch import Tensor
 
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.protocol import Slot, take
+from lightning_stale.adapters.sampling import Sample
 from lightning_stale.formats.base import grid_spacing_table, pack_nibbles, unpack_nibbles
 from lightning_stale.formats.fp8 import e4m3_spacing
-from lightning_stale.measure.sampling import Sample
 
 
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from lightning_stale.measure.sampling import Sample
+from lightning_stale.adapters.sampling import Sample
 from lightning_stale.vocab import MOMENTS, Moment, Rounding, check_moments
 
 

@@ -27,6 +27,7 @@ from lightning_stale import _compat
 from lightning_stale.adapters import bnb_layout
 from lightning_stale.adapters.layouts import BlockFp8Slot, BlockQmapSlot, FloatSlot
 from lightning_stale.adapters.protocol import Moment, Slot
+from lightning_stale.state import from_json, upgrade
 from lightning_stale.vocab import COMPENSATION_KEY
 
 BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state_dict nests its quantization state
@@ -341,7 +342,7 @@ def v_sample(state_dicts: Sequence[Mapping[str, Any]], limit: int = 1_000_000,
 # -- checkpoints -------------------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class MonitorPart:
-    """One optimizer's part of a saved monitor state (version 3 layout: steps, schedule, interventions, ...)."""
+    """One optimizer's part of a saved monitor state (the current layout: steps, engine, forecast, ledger, ...)."""
 
     state: Mapping[str, Any]
     index: int  # the optimizer's index inside its monitor: the prefix of its unit keys, f"opt{index}"
@@ -526,8 +527,6 @@ def _monitors_in(obj: Mapping[str, Any], count: int, notes: list[str]) -> list[M
 def _monitor_parts(state: Any, source: str, count: int | None, notes: list[str]) -> list[MonitorPart | None]:
     """One :class:`MonitorPart` per optimizer of a saved monitor state (upgraded to the current layout), aligned with
     ``count`` optimizers when given; notes why a state cannot be read."""
-    from lightning_stale.monitor.state import upgrade
-
     try:
         state = upgrade(dict(state))
     except (ValueError, TypeError) as error:
@@ -568,8 +567,6 @@ def _hugging_face(folder: Path, trusted: bool) -> Checkpoint:
         entry = entry[0] if isinstance(entry, list) and entry else entry
         saved = entry.get("attributes", {}).get("saved_state") if isinstance(entry, Mapping) else None
     if saved:
-        from lightning_stale.monitor.state import from_json
-
         checkpoint.monitors = _monitor_parts(from_json(saved), "trainer_state.json", 1, checkpoint.notes)
     else:
         checkpoint.monitors = [None]

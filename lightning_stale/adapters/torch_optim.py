@@ -24,8 +24,8 @@ from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.layouts import FLOAT_FORMATS, FloatSlot, ZeroLanes, dtype_ulp
 from lightning_stale.adapters.protocol import Moment, OptimizerAdapter, SharedStepAdapter, Slot, resolve_moments
 from lightning_stale.adapters.restart import restarted_v
+from lightning_stale.adapters.sampling import Sample
 from lightning_stale.formats.floats import round_up_float
-from lightning_stale.measure.sampling import Sample
 
 
 def float_slot(param: Tensor, state: dict, key: str, moment: Moment, beta: float | None,

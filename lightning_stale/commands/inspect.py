@@ -161,9 +161,9 @@ def build_report(path: str, s0: float = 0.6, trusted: bool = False) -> Report:
         missing = {p.index: shapes[i][p.index] for p in saved.params if p.shape is None and shapes[i][p.index]}
         if missing:  # shapes the state does not show (packed fp4 codes), from the matched model
             saved = read_optimizer(state_dict, missing)
-        schedule = part.state.get("schedule", {}) if part is not None else {}
+        ledger = part.state.get("ledger", {}) if part is not None else {}
         prefix = f"opt{part.index if part is not None else i}"
-        rows = [_param_row(i, p, f"{prefix}.{p.index}", names[i][p.index], s0, schedule.get(f"{prefix}.{p.index}"))
+        rows = [_param_row(i, p, f"{prefix}.{p.index}", names[i][p.index], s0, ledger.get(f"{prefix}.{p.index}"))
                 for p in saved.params]
         betas = saved.groups[0].get("betas") if saved.groups else None
         reports.append(OptimizerReport(i, saved.family, len(saved.idents),
@@ -174,7 +174,7 @@ def build_report(path: str, s0: float = 0.6, trusted: bool = False) -> Report:
 
 def _param_row(optimizer: int, saved: SavedParam, unit: str, name: str, s0: float,
                monitor: dict[str, Any] | None) -> ParamRow:
-    """Measure every slot of one saved parameter; ``monitor`` is its entry in the saved monitor schedule."""
+    """Measure every slot of one saved parameter; ``monitor`` is its row in the saved monitor's ledger."""
     from lightning_stale.adapters.saved_state import grid_end_masks
     from lightning_stale.decide import slot_theory
 

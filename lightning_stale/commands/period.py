@@ -8,8 +8,9 @@ import sys
 
 HELP = "Predict v stalling (rho-hat, P_NR, P_SR, startup windows) and the reset period K* for a format or saved state."
 
-# Names accepted by --format: the paper's float formats plus lightning_stale's scaled/grid formats.
-FLOAT_FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "fp4_e2m2")
+# Names accepted by --format: the paper's float formats (theory.FORMAT_EPSILON's, spelled here so that --help does not
+# import torch) plus lightning_stale's scaled/grid formats.
+PAPER_FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "fp4_e2m2")
 ALIASES = {"fp4": "fp4_e2m2"}  # lightning_stale's fp4 stores v as unsigned E2M2, the paper's FP4 v grid
 STARTUP_THRESHOLDS = (0.5, 0.8, 0.9, 0.95)
 S0_SWEEP = (0.5, 0.6, 0.7, 0.8, 0.9)
@@ -17,7 +18,7 @@ SAMPLE_LIMIT = 1_000_000  # elements of a saved state used for the grid estimate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", dest="fmt", default="bf16", choices=(*FLOAT_FORMATS, *ALIASES, "int8_dynamic"),
+    parser.add_argument("--format", dest="fmt", default="bf16", choices=(*PAPER_FORMATS, *ALIASES, "int8_dynamic"),
                         help="second-moment storage format (default: bf16); fp4 is the paper's unsigned E2M2 v grid; "
                              "int8_dynamic uses the grid estimate on a synthetic sample")
     parser.add_argument("--beta2", type=float, default=None,

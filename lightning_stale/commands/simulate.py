@@ -7,7 +7,7 @@ import sys
 
 HELP = "Simulate Adam moments stored in a low-precision format; compare measured stalls and drift with the theory."
 
-FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp4", "int8_dynamic")
+SIMULATED_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp4", "int8_dynamic")  # the formats --format offers
 
 
 def _reset(text: str) -> str | int:
@@ -20,7 +20,8 @@ def _reset(text: str) -> str | int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", dest="fmt", default="bf16", choices=FORMATS, help="state format (default: bf16)")
+    parser.add_argument("--format", dest="fmt", default="bf16", choices=SIMULATED_FORMATS,
+                        help="state format (default: bf16)")
     parser.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"),
                         help="rounding of the state writes (default: nearest)")
     parser.add_argument("--steps", type=int, default=4000, help="simulated steps (default: 4000)")

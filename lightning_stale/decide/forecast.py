@@ -24,7 +24,7 @@ from lightning_stale.decide.ledger import RHO_FINAL, RHO_PENDING, RHO_TRACKING, 
 from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.units import Entry
-from lightning_stale.monitor.collective import Collective
+from lightning_stale.ranks import Reduce, summed
 
 ESTIMATE_COLUMNS = 5  # per pending parameter: closed forms, their sum, estimates needed, sum of value/spacing, values
 TRACKING_ROTATION = 4  # a settled grid estimate is re-taken every this many check steps
@@ -34,14 +34,14 @@ class StallForecast:
     """rho-hat and predictions of one optimizer's parameters.
 
     Args:
-        collective: agrees grid estimates across ranks.
+        reduce: sums across ranks, to agree grid estimates (None: a single process).
         warn: ``warn(key, message)`` warns once per key (an estimate that cannot be made yet).
         name: a parameter's readable name, for messages.
     """
 
-    def __init__(self, collective: Collective, warn: Callable[[str, str], None],
+    def __init__(self, reduce: Reduce | None, warn: Callable[[str, str], None],
                  name: Callable[[LedgerRow], str]) -> None:
-        self.collective = collective
+        self.reduce = reduce
         self._warn, self._name = warn, name
         self.pending: set[int] = set()  # positions whose rho-hat is unknown or a young state's: every check
         self.tracked: set[int] = set()  # positions whose settled grid estimate is kept current, in rotation
@@ -58,7 +58,7 @@ class StallForecast:
             if unit.rho_state == RHO_TRACKING:
                 self.tracked.add(unit.position)
                 continue
-            if self.collective.active:
+            if self.reduce is not None:
                 self.pending.add(unit.position)  # agreed at the next estimate: shards may hold different formats
                 continue
             driver = unit.driver()
@@ -94,7 +94,7 @@ class StallForecast:
             closed_rows.append([closed is not None, closed or 0.0, needs])
             sums.append(estimate if estimate is not None else torch.zeros(2, dtype=torch.float64))
         rows = np.concatenate([np.array(closed_rows, dtype=np.float64), to_host(sums)], axis=1)
-        totals = self.collective.sum(rows.reshape(-1, ESTIMATE_COLUMNS))
+        totals = summed(rows.reshape(-1, ESTIMATE_COLUMNS), self.reduce)
         changed = []
         for unit, (n_closed, closed_sum, n_needs, inverse_sum, n) in zip(units, totals.tolist()):
             if n > 0:

@@ -19,7 +19,7 @@ import numpy as np
 
 from lightning_stale.decide import slot_theory
 from lightning_stale.decide.ledger import NO_PERIOD, Ledger, LedgerRow
-from lightning_stale.decide.registry import POLICIES, make, register_policy
+from lightning_stale.decide.registry import POLICY_SHORTCUTS, make, register_policy
 from lightning_stale.theory import statistical_error
 from lightning_stale.vocab import MOMENTS, check_int, check_moments, check_open_unit, invalid
 
@@ -216,5 +216,5 @@ register_policy("drift", DriftReset, {"drift_band": check_band, "min_interval": 
 def make_policy(reset: str | ResetPolicy | None, arguments: Mapping[str, Any]) -> tuple[ResetPolicy | None, set[str]]:
     """Turn the front-ends' ``reset`` into a policy object (``None`` = monitor only) from the policy ``arguments`` the
     user passed (``every``, ``s0``, ...; the policy's defaults for the others); returns it and the arguments used."""
-    return make("reset", reset, POLICIES, ResetPolicy, f"None, one of {tuple(POLICIES)} or a ResetPolicy instance",
-                arguments)
+    return make("reset", reset, POLICY_SHORTCUTS, ResetPolicy,
+                f"None, one of {tuple(POLICY_SHORTCUTS)} or a ResetPolicy instance", arguments)

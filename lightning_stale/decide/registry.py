@@ -36,20 +36,21 @@ class Shortcut:
         return self.factory(**{self.keywords.get(key, key): given[key] for key in used}), used
 
 
-POLICIES: dict[str, Shortcut] = {}  # reset="<name>"
-REMEDIES: dict[str, Shortcut] = {}  # remedy="<name>"
+POLICY_SHORTCUTS: dict[str, Shortcut] = {}  # reset="<name>"
+REMEDY_SHORTCUTS: dict[str, Shortcut] = {}  # remedy="<name>"
 
 
 def register_policy(name: str, factory: Callable[..., Any], arguments: Mapping[str, Validator | None] | None = None,
                     keywords: Mapping[str, str] | None = None, required: Mapping[str, str] | None = None) -> None:
     """Accept ``reset=name``, built by ``factory`` from the front-end ``arguments`` it takes (see :class:`Shortcut`)."""
-    _register(POLICIES, name, Shortcut(factory, dict(arguments or {}), dict(keywords or {}), dict(required or {})))
+    _register(POLICY_SHORTCUTS, name,
+              Shortcut(factory, dict(arguments or {}), dict(keywords or {}), dict(required or {})))
 
 
 def register_remedy(name: str, factory: Callable[..., Any], arguments: Mapping[str, Validator | None] | None = None,
                     keywords: Mapping[str, str] | None = None) -> None:
     """Accept ``remedy=name``, built by ``factory`` from the front-end ``arguments`` it takes."""
-    _register(REMEDIES, name, Shortcut(factory, dict(arguments or {}), dict(keywords or {})))
+    _register(REMEDY_SHORTCUTS, name, Shortcut(factory, dict(arguments or {}), dict(keywords or {})))
 
 
 def _register(table: dict[str, Shortcut], name: str, shortcut: Shortcut) -> None:
@@ -78,7 +79,7 @@ def make(argument: str, value: Any, table: Mapping[str, Shortcut], base: type, a
 def validators() -> dict[str, Validator | None]:
     """Every front-end argument some registered shortcut takes, with its validator (None: its factory checks it)."""
     found: dict[str, Validator | None] = {}
-    for shortcut in (*POLICIES.values(), *REMEDIES.values()):
+    for shortcut in (*POLICY_SHORTCUTS.values(), *REMEDY_SHORTCUTS.values()):
         for argument, check in shortcut.arguments.items():
             if found.get(argument) is None:
                 found[argument] = check
@@ -87,6 +88,6 @@ def validators() -> dict[str, Validator | None]:
 
 def users(argument: str) -> list[str]:
     """The shortcuts that take ``argument``, as the front-ends spell them (``reset='periodic'``), for messages."""
-    return [f"{kind}={name!r}" for kind, table in (("reset", POLICIES), ("remedy", REMEDIES))
+    return [f"{kind}={name!r}" for kind, table in (("reset", POLICY_SHORTCUTS), ("remedy", REMEDY_SHORTCUTS))
             for name, shortcut in table.items() if argument in shortcut.arguments]
 

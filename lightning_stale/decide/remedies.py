@@ -30,7 +30,7 @@ import numpy as np
 
 from lightning_stale.decide.ledger import Ledger
 from lightning_stale.decide.policies import DriftReset, check_band, check_min_interval
-from lightning_stale.decide.registry import REMEDIES as REMEDY_SHORTCUTS
+from lightning_stale.decide.registry import REMEDY_SHORTCUTS
 from lightning_stale.decide.registry import make, register_remedy
 from lightning_stale.vocab import MOMENTS, check_moments
 

@@ -20,8 +20,8 @@ from torch import Tensor
 from lightning_stale import theory
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.protocol import Slot
+from lightning_stale.adapters.sampling import choose_sample
 from lightning_stale.formats import FORMATS, get_format
-from lightning_stale.measure.sampling import choose_sample
 
 ESTIMATE_SAMPLE_SIZE = 4096  # stored values a grid estimate looks at
 ESTIMATE_SEED = 0  # rank-independent: every process samples the same positions of its shard

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.measure.sampling import Sample
+from lightning_stale.adapters.sampling import Sample
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from lightning_stale.decide.remedies import Remedy
 from lightning_stale.monitor import metrics
 from lightning_stale.monitor.monitor import StaleStateMonitor
 from lightning_stale.monitor.options import MonitorOptions
+from lightning_stale.monitor.window import StaleStateMetric
 from lightning_stale.vocab import COMPENSATION_KEY
 
 
@@ -99,6 +100,11 @@ class StaleStateCallback(Callback):
     def reset_periods(self) -> dict[str, int | None]:
         """The reset period chosen for each parameter (by parameter name), once its state exists."""
         return self.monitor.reset_periods() if self.monitor is not None else {}
+
+    @property
+    def metric(self) -> StaleStateMetric | None:
+        """The window as a torchmetrics Metric (:attr:`StaleStateMonitor.metric`; None before the fit starts)."""
+        return self.monitor.metric if self.monitor is not None else None
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` across the Trainer's processes (every rank logs at the same steps)."""

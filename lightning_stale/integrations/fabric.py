@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torchmetrics import MetricCollection
 
 from lightning_stale import _compat
 from lightning_stale.adapters import unwrap
@@ -40,11 +41,12 @@ class StaleStateFabricCallback:
     """
 
     def __init__(self, log_every_n_steps: int = 50, fabric: Any = None, **options: Any) -> None:
-        if isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
-            raise ValueError(f"`log_every_n_steps` must be an int >= 0, got {log_every_n_steps!r}")
+        check_int("log_every_n_steps", log_every_n_steps, minimum=0)
         self.options = MonitorOptions.from_arguments(type(self).__name__, options)
         self.log_every_n_steps = log_every_n_steps
         self.monitors: dict[int, StaleStateMonitor] = {}  # by id of the raw optimizer, in order of first step
+        # Every monitor's window as a torchmetrics Metric, ``opt<i>`` in order of first step: compute() is one row
+        self.metric = MetricCollection({}, compute_groups=False)
         self.steps = 0  # optimizer steps of the first optimizer (the logging clock)
         self._fabric = weakref.ref(fabric) if fabric is not None else None
         self._pending: list[dict[str, Any]] | None = None
@@ -83,18 +85,13 @@ class StaleStateFabricCallback:
 
     def compute(self) -> dict[str, float]:
         """One row for every optimizer (the second and later ones under ``<prefix>/opt<i>/``) of the steps since the
-        last :meth:`reset_window`; a collective, and a readout (calling it again gives the same row)."""
-        row: dict[str, float] = {}
-        prefix = self.options.log_key_prefix
-        for i, monitor in enumerate(self.monitors.values()):
-            metrics = monitor.compute()
-            row.update(metrics if i == 0 else {f"{prefix}/opt{i}/{k[len(prefix) + 1:]}": v for k, v in metrics.items()})
-        return row
+        last :meth:`reset_window`: :attr:`metric`'s ``compute()``. A collective, and a readout (calling it again gives
+        the same row)."""
+        return self.metric.compute()
 
     def reset_window(self) -> None:
         """Start a new window for every optimizer: the next :meth:`compute` covers only the steps after this call."""
-        for monitor in self.monitors.values():
-            monitor.reset_window()
+        self.metric.reset()
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "monitors": [m.state_dict() for m in self.monitors.values()]}
@@ -123,6 +120,10 @@ class StaleStateFabricCallback:
         if self._pending:
             monitor.load_state_dict(self._pending.pop(0))
         self._follow(monitor, self._schedules)
+        index = len(self.monitors)
+        if index:  # the later optimizers' keys: <prefix>/opt<i>/...
+            monitor.metric.prefix = f"{self.options.log_key_prefix}/opt{index}"
+        self.metric.add_metrics({f"opt{index}": monitor.metric})
         self.monitors[id(optimizer)] = monitor
         return monitor
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_stale.decide.registry import POLICIES, REMEDIES
+from lightning_stale.decide.registry import POLICY_SHORTCUTS, REMEDY_SHORTCUTS
 from lightning_stale.monitor.options import POLICY_ARGUMENTS
 
 ENV_VAR = "LIGHTNING_STALE"
@@ -39,17 +39,17 @@ def options_from_env() -> dict[str, Any] | None:
     if spec in ("1", "true", "on", "monitor"):
         return {}
     name, _, value = spec.partition(":")
-    if name in REMEDIES and not value:
+    if name in REMEDY_SHORTCUTS and not value:
         return {"remedy": name}
-    required = list(POLICIES[name].required) if name in POLICIES else None
+    required = list(POLICY_SHORTCUTS[name].required) if name in POLICY_SHORTCUTS else None
     if required == [] and not value:
         return {"reset": name}
     if required is not None and len(required) == 1 and value.isdigit() and int(value) > 0:
         if required[0] in POLICY_ARGUMENTS:
             return {"reset": name, required[0]: int(value)}
         return {"reset": name, "policy_args": {required[0]: int(value)}}
-    names = [*REMEDIES, *(n for n, s in POLICIES.items() if not s.required),
-             *(f"{n}:<{next(iter(s.required))}>" for n, s in POLICIES.items() if s.required)]
+    names = [*REMEDY_SHORTCUTS, *(n for n, s in POLICY_SHORTCUTS.items() if not s.required),
+             *(f"{n}:<{next(iter(s.required))}>" for n, s in POLICY_SHORTCUTS.items() if s.required)]
     raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not understood; use 1 (monitor), "
                      f"{', '.join(names[:-1])} or {names[-1]}")
 

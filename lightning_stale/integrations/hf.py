@@ -30,7 +30,8 @@ from lightning_stale._compat import hf_exportable_state
 from lightning_stale.decide.lr_outlook import UNKNOWN_LAST_STEP
 from lightning_stale.monitor.monitor import StaleStateMonitor
 from lightning_stale.monitor.options import MonitorOptions
-from lightning_stale.monitor.state import from_json, to_json
+from lightning_stale.monitor.window import StaleStateMetric
+from lightning_stale.state import from_json, to_json
 
 
 class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
@@ -42,6 +43,11 @@ class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
         self.arguments = options
         self.monitor: StaleStateMonitor | None = None
         self.saved_state: dict[str, Any] | None = None  # a checkpoint's monitor state (JSON form) to start from
+
+    @property
+    def metric(self) -> StaleStateMetric | None:
+        """The window as a torchmetrics Metric (:attr:`StaleStateMonitor.metric`; None before training begins)."""
+        return self.monitor.metric if self.monitor is not None else None
 
     def state(self) -> dict[str, Any]:
         """What transformers writes into ``trainer_state.json`` at each checkpoint: the JSON-valued arguments and the

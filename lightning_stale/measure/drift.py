@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_stale.adapters.sampling import Sample
 from lightning_stale.measure.rows import KeyedRows
-from lightning_stale.measure.sampling import Sample
 from lightning_stale.measure.units import Entry, TrackedParam, driver_group
 
 DRIFT_PARAMS = 4  # parameters with a drift shadow in sample mode

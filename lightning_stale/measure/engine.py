@@ -10,7 +10,7 @@ Definitions (per slot, per measured step):
 - **drift**: see :mod:`lightning_stale.measure.drift`.
 
 How the cost stays independent of the number of tensors: samples are strided views
-(:mod:`lightning_stale.measure.sampling`), so reading a slot's sampled codes launches nothing. The parameters are split
+(:mod:`lightning_stale.adapters.sampling`), so reading a slot's sampled codes launches nothing. The parameters are split
 into *cohorts*; a measured step measures one cohort, in turn (``track="sample"``: ``params_per_step`` parameters each,
 more when ``coverage_steps`` asks for it; ``track="exact"``: one cohort of every element of every slot), in a few
 batched ops per layout (:mod:`lightning_stale.measure.counting`). Per-parameter Python work is limited to building the
@@ -31,9 +31,9 @@ from torch import Tensor
 
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.protocol import OptimizerAdapter
+from lightning_stale.adapters.sampling import choose_sample
 from lightning_stale.measure.counting import Batch, Counts, plan_batches
 from lightning_stale.measure.drift import DriftPanel
-from lightning_stale.measure.sampling import choose_sample
 from lightning_stale.measure.units import Entry, TrackedParam, driver_group, driver_slot, weight_slot
 from lightning_stale.vocab import WEIGHT
 

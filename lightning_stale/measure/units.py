@@ -13,10 +13,10 @@ from torch import Tensor
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.layouts import FLOAT_FORMATS, FloatSlot
 from lightning_stale.adapters.protocol import Slot
-from lightning_stale.measure.sampling import Sample
+from lightning_stale.adapters.sampling import Sample
 from lightning_stale.vocab import WEIGHT
 
-LOW_PRECISION_WEIGHTS = (torch.bfloat16, torch.float16)  # weights whose writes can round an update away
+LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)  # weights whose writes can round an update away
 WEIGHT_KEY = "weight"  # the slot key of a measured weight (per-parameter logs: <prefix>/<param>/weight/frac)
 
 
@@ -67,7 +67,7 @@ def weight_slot(param: Tensor) -> Slot | None:
     """The parameter's stored weight as a slot (its codes are the raw bits of this process's shard) where it is stored
     below fp32; None for fp32 weights, which are not measured."""
     shard = local_tensor(param)
-    if shard.dtype not in LOW_PRECISION_WEIGHTS:
+    if shard.dtype not in LOW_PRECISION_DTYPES:
         return None
     return FloatSlot(param, WEIGHT, None, FLOAT_FORMATS[shard.dtype], WEIGHT_KEY, tensor=shard)  # type: ignore[arg-type]
 

@@ -4,8 +4,8 @@ Data flow per optimizer (an :class:`~lightning_stale.monitor.pipeline.OptimizerP
 adapter (slots) -> :class:`~lightning_stale.measure.engine.StallEngine` (counts, in torch's optimizer step hooks) ->
 :class:`~lightning_stale.decide.ledger.Ledger` (bookkeeping) and
 :class:`~lightning_stale.decide.forecast.StallForecast` (the theory) -> the policy and the remedy (decide) ->
-:class:`~lightning_stale.act.interventions.Interventions` (act, in place). :meth:`StaleStateMonitor.compute` turns the
-counts into one row of metrics (:mod:`lightning_stale.monitor.metrics`).
+:class:`~lightning_stale.act.interventions.Interventions` (act, in place). :attr:`StaleStateMonitor.metric`, a
+torchmetrics Metric (:mod:`lightning_stale.monitor.window`), turns the counts into one row of metrics.
 The monitor only attaches, shields and aggregates; the Lightning Trainer callback and the other front-ends are thin
 wrappers around it.
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
@@ -30,19 +29,17 @@ from lightning_stale.act.interventions import ListenerError, ResetEvent, ResetLi
 import lightning_stale.adapters as adapters
 from lightning_stale.adapters.protocol import Slot
 from lightning_stale.decide.ledger import LedgerRow
-from lightning_stale.decide.remedies import GUARD, STOCHASTIC
 from lightning_stale.measure.engine import StallEngine
-from lightning_stale.monitor import metrics
-from lightning_stale.monitor.collective import Collective, Reduce, default_reduce, world_size
-from lightning_stale.monitor.messages import Notices, ParamNames, StaleStateInternalWarning, StaleStateWarning, info
+from lightning_stale.messages import Notices, ParamNames, StaleStateInternalWarning, StaleStateWarning, info
 from lightning_stale.monitor.options import MonitorOptions
 from lightning_stale.monitor.pipeline import OptimizerPipeline
-from lightning_stale.monitor.state import STATE_VERSION, upgrade
-from lightning_stale.vocab import QUANTITIES
+from lightning_stale.monitor.window import StaleStateMetric
+from lightning_stale.ranks import Reduce, default_reduce, world_size
+from lightning_stale.state import STATE_VERSION, upgrade
 from lightning_stale.vocab import check_int
 
-__all__ = ["MonitorOptions", "ResetEvent", "ResetListener", "StaleStateInternalWarning", "StaleStateMonitor",
-           "StaleStateWarning"]
+__all__ = ["MonitorOptions", "ResetEvent", "ResetListener", "StaleStateInternalWarning", "StaleStateMetric",
+           "StaleStateMonitor", "StaleStateWarning"]
 
 
 class StaleStateMonitor:
@@ -59,6 +56,8 @@ class StaleStateMonitor:
                 print(monitor.compute())  # or writer.add_scalars / wandb.log / fabric.log_dict
                 monitor.reset_window()  # the next row covers the next 50 steps
         monitor.close()
+
+    :attr:`metric` is the same window as a torchmetrics Metric (``compute()``, ``reset()``, a ``MetricCollection``).
 
     Args:
         optimizers: a torch optimizer, a wrapper of one (``LightningOptimizer``, accelerate's ``AcceleratedOptimizer``)
@@ -88,7 +87,7 @@ class StaleStateMonitor:
         check_int("coverage_steps", coverage_steps)
         check_int("steps_taken", steps_taken, minimum=0)
         self.options, self.policy, self.remedy = options, options.policy, options.remedy_rule
-        self._collective = Collective(reduce if reduce is not None else default_reduce())
+        self._reduce = reduce if reduce is not None else default_reduce()
         self._listeners: list[ResetListener] = []
         self._handles: list[RemovableHandle] = []
         self._notices = Notices()
@@ -98,27 +97,28 @@ class StaleStateMonitor:
         self._names = ParamNames(names, len(sources))
         self._pipelines = [self._attach(i, source, coverage_steps, steps_taken)
                            for i, source in enumerate(sources)]
+        self.metric = StaleStateMetric(self._pipelines, options, self._names, self._reduce)  # the window's metrics
 
     # -- queries -----------------------------------------------------------------------------------------------------
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The raw optimizers whose step hooks the monitor uses."""
-        return [t.optimizer for t in self._pipelines]
+        return [pipeline.optimizer for pipeline in self._pipelines]
 
     @property
     def steps(self) -> list[int]:
         """Real optimizer steps counted per optimizer (skipped steps excluded)."""
-        return [t.steps for t in self._pipelines]
+        return [pipeline.steps for pipeline in self._pipelines]
 
     @property
     def reset_events(self) -> int:
         """Resets applied so far (one event may reset several parameters)."""
-        return sum(t.interventions.resets for t in self._pipelines)
+        return sum(pipeline.interventions.resets for pipeline in self._pipelines)
 
     @property
     def remedy_resets(self) -> int:
         """Parameter resets the remedy made so far."""
-        return sum(t.interventions.remedy_resets for t in self._pipelines)
+        return sum(pipeline.interventions.remedy_resets for pipeline in self._pipelines)
 
     def slots(self, optimizer_index: int = 0) -> list[Slot]:
         """The slots tracked for one optimizer (after its first step)."""
@@ -130,22 +130,23 @@ class StaleStateMonitor:
 
     def engines(self) -> list[StallEngine]:
         """The engine of each optimizer (its readouts: :meth:`StallEngine.tensors`, windows, drift)."""
-        return [t.engine for t in self._pipelines]
+        return [pipeline.engine for pipeline in self._pipelines]
 
     def resident_bytes(self) -> int:
         """Memory the monitor keeps between steps, for budgeting: every tensor and array of its components (the
         optimizer state it reads is not counted)."""
-        return sum(t.engine.resident_bytes() + t.forecast.resident_bytes() + t.ledger.resident_bytes()
-                   + t.interventions.resident_bytes() for t in self._pipelines)
+        return sum(pipeline.engine.resident_bytes() + pipeline.forecast.resident_bytes()
+                   + pipeline.ledger.resident_bytes() + pipeline.interventions.resident_bytes()
+                   for pipeline in self._pipelines)
 
     def weight_buffer_bytes(self) -> int:
         """The weight write-back's compensation buffers, which live in the optimizers' state (2 bytes per element of
         each bf16 parameter under compensated summation; not part of :meth:`resident_bytes`)."""
-        return sum(t.writeback.buffer_bytes() for t in self._pipelines if t.writeback is not None)
+        return sum(pipeline.writeback.buffer_bytes() for pipeline in self._pipelines if pipeline.writeback is not None)
 
     def reset_periods(self) -> dict[str, int | None]:
         """The reset period chosen for each parameter (by name), once its state exists."""
-        return {t.name(u): u.period for t in self._pipelines for u in t.ledger.rows}
+        return {pipeline.name(row): row.period for pipeline in self._pipelines for row in pipeline.ledger.rows}
 
     def watches(self, optimizer: object) -> bool:
         """Whether ``optimizer`` (or a wrapper of it: Lightning's and Fabric's share its param groups) is watched."""
@@ -160,7 +161,7 @@ class StaleStateMonitor:
         pipeline = self._pipeline_of(getattr(scheduler, "optimizer", None))
         if pipeline is None:
             raise ValueError(f"`scheduler` ({type(scheduler).__name__}) must step one of the monitor's optimizers "
-                             f"({', '.join(type(t.optimizer).__name__ for t in self._pipelines)})")
+                             f"({', '.join(type(pipeline.optimizer).__name__ for pipeline in self._pipelines)})")
         pipeline.follow(scheduler, last_step, every)
 
     def add_reset_listener(self, listener: ResetListener) -> None:
@@ -169,51 +170,23 @@ class StaleStateMonitor:
 
     # -- metrics -----------------------------------------------------------------------------------------------------
     def compute(self) -> dict[str, float]:
-        """The metrics of every measured step since the last :meth:`reset_window`, summed across ranks. A readout:
-        calling it again gives the same row; call :meth:`reset_window` after logging a row to start the next one.
+        """The metrics of every measured step since the last :meth:`reset_window`, summed across ranks:
+        :attr:`metric`'s ``compute()``. A readout: calling it again gives the same row; call :meth:`reset_window`
+        after logging a row to start the next one.
 
         A collective when ``reduce`` is set: call it on every rank at the same steps.
         """
-        row, per_param = self.compute_parts()
-        return {**row, **per_param}
+        return self.metric.compute()
 
     def compute_parts(self) -> tuple[dict[str, float], dict[str, float]]:
         """:meth:`compute` as (the aggregate row, the per-parameter fractions of this rank) for front-ends that log
         them through different paths."""
-        prefix = self.options.log_key_prefix
-        vector = torch.zeros(len(QUANTITIES) * metrics.PER_MOMENT, dtype=torch.float64)
-        per_param: dict[str, float] = {}
-        for t in self._pipelines:
-            engine = t.engine
-            totals, predicted = engine.window(), t.forecast.window(engine.entries)
-            predicted += t.weight_predictions(totals[:, metrics.COUNTED].numpy() > 0)
-            drift = [(engine.entries[k].moment, value, engine.drift_weight(k)) for k, value in engine.drift().items()]
-            vector += metrics.moment_vector(totals, [e.moment for e in engine.entries.values()], drift, predicted)
-            if self.options.log_per_param:
-                for entry, row in zip(engine.entries.values(), totals.tolist()):
-                    if row[metrics.COUNTED] > 0:
-                        name = self._names(entry.unit.param, entry.unit.key, engine.prefix)
-                        per_param[metrics.key(prefix, name, entry.slot.key, metrics.FRAC)] = \
-                            row[metrics.STALLED] / row[metrics.COUNTED]
-        ages = np.concatenate([t.ledger.ages for t in self._pipelines])
-        betas = [e.slot.beta for t in self._pipelines for e in t.engine.entries.values()
-                 if e.moment == "v" and e.slot.beta is not None]
-        row = metrics.row(self._collective.sum(vector), prefix, self.reset_events,
-                          float(ages.mean()) if ages.size else None, sum(betas) / len(betas) if betas else None)
-        if self.remedy is not None and row:  # decisions are agreed across ranks: rank-local counts are global
-            chosen = np.concatenate([t.ledger.arrays["remedy"] for t in self._pipelines])
-            row.update(metrics.remedy_row(prefix, int((chosen == GUARD).sum()), int((chosen == STOCHASTIC).sum()),
-                                          self.remedy_resets))
-        writebacks = [t.writeback for t in self._pipelines if t.writeback is not None]
-        if writebacks and row:
-            row[metrics.key(prefix, metrics.REMEDY, metrics.WEIGHTS)] = float(sum(w.handled for w in writebacks))
-        return row, per_param
+        return self.metric.compute_parts()
 
     def reset_window(self) -> None:
         """Start a new window: the next :meth:`compute` covers only the steps after this call (the optimizer states
-        and the reset bookkeeping are untouched)."""
-        for t in self._pipelines:
-            t.reset_window()
+        and the reset bookkeeping are untouched); :attr:`metric`'s ``reset()``."""
+        self.metric.reset()
 
     # -- lifecycle and state -----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -233,7 +206,7 @@ class StaleStateMonitor:
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "rank": _compat.global_rank(), "world_size": world_size(),
                 "policy": repr(self.policy),
-                "optimizers": [t.state_dict() for t in self._pipelines]}
+                "optimizers": [pipeline.state_dict() for pipeline in self._pipelines]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (this version's or an earlier one's): counts in the current window,
@@ -271,7 +244,7 @@ class StaleStateMonitor:
     # -- attaching and the error shield ------------------------------------------------------------------------------
     def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int) -> OptimizerPipeline:
         adapter = adapters.adapter_for(source, strict=self.options.strict)
-        pipeline = OptimizerPipeline(adapter, index, self.options, self._collective, self._names,
+        pipeline = OptimizerPipeline(adapter, index, self.options, self._reduce, self._names,
                                      self._notices.warn_once, self._listeners, coverage_steps, steps_taken)
         optimizer = adapter.optimizer
         self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._shielded(pipeline.before_step,
@@ -283,7 +256,8 @@ class StaleStateMonitor:
 
     def _pipeline_of(self, optimizer: object) -> OptimizerPipeline | None:
         groups = getattr(optimizer, "param_groups", None)
-        return next((t for t in self._pipelines if groups is not None and t.optimizer.param_groups is groups), None)
+        return next((pipeline for pipeline in self._pipelines
+                     if groups is not None and pipeline.optimizer.param_groups is groups), None)
 
     def _shielded(self, hook: Callable[[], None], pipeline: OptimizerPipeline) -> None:
         try:

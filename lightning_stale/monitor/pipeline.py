@@ -22,10 +22,10 @@ from lightning_stale.decide.ledger import Ledger, LedgerRow, without_periods
 from lightning_stale.decide.lr_outlook import lr_path
 from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.engine import StallEngine
+from lightning_stale.messages import ParamNames, info
 from lightning_stale.monitor.announcement import fit_start_report, period_report, weight_report
-from lightning_stale.monitor.collective import Collective
-from lightning_stale.monitor.messages import ParamNames, info
 from lightning_stale.monitor.options import MonitorOptions
+from lightning_stale.ranks import Reduce, summed
 from lightning_stale.vocab import WEIGHT
 
 RECENT_FOR_POLICY, RECENT_FOR_CHECKS = "policy", "checks"  # the readers of the engine's recent counts
@@ -38,16 +38,16 @@ class OptimizerPipeline:
         adapter: reads and resets the optimizer's state.
         index: the optimizer's position among the monitor's (``opt<index>`` names its parameters).
         options: the monitor's options (their policy and remedy objects are shared by every pipeline).
-        collective: sums across ranks.
+        reduce: sums across ranks (None: a single process).
         names: readable parameter names; ``warn``: one-time warnings; ``listeners``: the monitor's reset listeners.
         coverage_steps: every parameter is measured within this many measured steps; also the check interval.
         steps_taken: optimizer steps taken before the monitor attached.
     """
 
-    def __init__(self, adapter: OptimizerAdapter, index: int, options: MonitorOptions, collective: Collective,
+    def __init__(self, adapter: OptimizerAdapter, index: int, options: MonitorOptions, reduce: Reduce | None,
                  names: ParamNames, warn: Callable[[str, str], None], listeners: list[ResetListener],
                  coverage_steps: int, steps_taken: int) -> None:
-        self.adapter, self.options, self.collective, self._names = adapter, options, collective, names
+        self.adapter, self.options, self.reduce, self._names = adapter, options, reduce, names
         self.policy, self.remedy, self.check_every = options.policy, options.remedy_rule, coverage_steps
         acts = self.remedy is not None or self.policy is not None  # check steps read underflow (they may reset)
         readers = ((RECENT_FOR_CHECKS,) if acts else ()) + \
@@ -56,7 +56,7 @@ class OptimizerPipeline:
                                   options.params_per_step, max(1, coverage_steps // options.track_every), options.seed,
                                   readers)
         self.ledger = Ledger()
-        self.forecast = StallForecast(collective, warn, self.name)
+        self.forecast = StallForecast(reduce, warn, self.name)
         self.interventions = Interventions(adapter, self.engine, self.ledger, underflow_guard=options.underflow_guard,
                                            warmup_steps=options.warmup_steps,
                                            exact_v_reset=options.v_reset == "exact-unbounded", listeners=listeners,
@@ -123,7 +123,7 @@ class OptimizerPipeline:
         if self.remedy is None and self.policy is None:
             return
         recent = self.engine.take_recent(RECENT_FOR_CHECKS)
-        self.ledger.set_signals(*self.engine.agreed_signals(self.collective.sum(self.engine.signals(recent))))
+        self.ledger.set_signals(*self.engine.agreed_signals(summed(self.engine.signals(recent), self.reduce)))
         self.interventions.keep_guarding(self.check_every)
         if self.remedy is not None:
             self.interventions.apply_remedy(self.remedy, self.steps, self.check_every)
@@ -143,8 +143,8 @@ class OptimizerPipeline:
                     stalled, counted, _ = recent[entry.row]
                     self.policy.observe(unit, stalled / counted if counted > 0 else math.nan)
         due = self.policy.due(self.ledger, self.steps)
-        if self.policy.needs_sync and self.collective.active:
-            due = self.collective.sum(due.astype(np.float64)) > 0
+        if self.policy.needs_sync and self.reduce is not None:
+            due = summed(due.astype(np.float64), self.reduce) > 0
         if due.any():
             units = [self.ledger.rows[i] for i in np.flatnonzero(due)]
             self.interventions.reset(units, self.policy.moments, self.steps)
@@ -214,7 +214,7 @@ class OptimizerPipeline:
         samples = [self.engine.tracked[u.position].sample for u in units]
         readings = to_host([weight_theory.threshold(s, sample, lr_of[id(u.param)])
                             for s, sample, u in zip(slots, samples, units)], width=3)
-        past = self.collective.sum(readings[:, :2].reshape(-1)).reshape(-1, 2)  # agreed: decisions rest on it
+        past = summed(readings[:, :2].reshape(-1), self.reduce).reshape(-1, 2)  # agreed: decisions rest on it
         share = np.where(past[:, 1] > 0, past[:, 0] / np.maximum(past[:, 1], 1.0), np.nan)
         stop = readings[:, 2].tolist()  # this rank's, for the report only
         lr = lr_of[id(units[0].param)]
@@ -279,16 +279,16 @@ class OptimizerPipeline:
 
     def mixed_precision(self) -> list[str]:
         """With several processes, the parameters whose low-precision state fell back to fp32 on some ranks only."""
-        if not self.collective.active:
+        if self.reduce is None:
             return []
         flags = [[float(any(s.format != "fp32" for s in u.slots)), 1.0] for u in self.ledger.rows]
-        counts = self.collective.sum(np.array(flags, dtype=np.float64).reshape(-1, 2))
+        counts = summed(np.array(flags, dtype=np.float64).reshape(-1, 2), self.reduce)
         return [self.name(u) for u, (n_low, n) in zip(self.ledger.rows, counts.tolist()) if 0 < n_low < n]
 
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state = {"steps": self.steps, "engine": self.engine.state_dict(), "forecast": self.forecast.state_dict(),
-                 "schedule": self.ledger.state_dict(), "interventions": self.interventions.state_dict()}
+                 "ledger": self.ledger.state_dict(), "interventions": self.interventions.state_dict()}
         if self.writeback is not None:
             state["weights"] = self.writeback.state_dict()
         return state
@@ -299,7 +299,7 @@ class OptimizerPipeline:
         self.steps = int(state["steps"])
         self.engine.load_state_dict(state["engine"], counts=counts, shadows=shadows)
         self.forecast.load_state_dict(state["forecast"] if counts else {})
-        self.ledger.load_state_dict(state["schedule"] if periods else without_periods(state["schedule"]))
+        self.ledger.load_state_dict(state["ledger"] if periods else without_periods(state["ledger"]))
         self.interventions.load_state_dict(state["interventions"])
         if self.writeback is not None and "weights" in state:
             self.writeback.load_state_dict(state["weights"])

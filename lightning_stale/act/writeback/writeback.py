@@ -23,7 +23,7 @@ from lightning_stale._compat import local_tensor, shard_flat_start
 from lightning_stale.act.writeback.family import Columns, Family, Member, Write, family_for, supported
 from lightning_stale.act.writeback.kernels import step_key
 from lightning_stale.adapters import inner_optimizer
-from lightning_stale.monitor.messages import info
+from lightning_stale.messages import info
 from lightning_stale.vocab import COMPENSATION_KEY, ROUNDINGS, WEIGHT_ROUNDINGS, check_choice
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)

@@ -1,7 +1,8 @@
-"""Writes ``monitor_v2.pt``: a plain-loop run's model, two optimizers and monitor state (state version 2) after 12 steps,
-and what that version logged and trained in the 12 steps after it. Run once with lightning_stale 0.1 at commit
-7cc68ad (``PYTHONPATH=<that checkout> python tests/data/make_v2_checkpoint.py``); tests/test_state.py loads the file
-with the current version and checks that it continues the same way."""
+"""Writes ``monitor_v<N>.pt``: a plain-loop run's model, two optimizers and monitor state (state version N) after 12
+steps, and what that version logged and trained in the 12 steps after it. Run once with the lightning_stale that wrote
+version N: ``PYTHONPATH=<that checkout> python tests/data/make_checkpoint.py tests/data/monitor_v<N>.pt``, version 2
+at commit 7cc68ad (lightning_stale 0.1), version 3 at commit bf0fa30; tests/test_state.py loads each file with the
+current version and checks that it continues the same way."""
 
 from __future__ import annotations
 
@@ -53,4 +54,4 @@ if __name__ == "__main__":
     rows = train(model, opt, monitor, 12, start=12)
     saved["expected"] = {"rows": rows, "weights": [p.detach().clone() for p in model.parameters()],
                          "reset_events": monitor.reset_events, "remedy_resets": monitor.remedy_resets}
-    torch.save(saved, Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).with_name("monitor_v2.pt")))
+    torch.save(saved, Path(sys.argv[1]))

@@ -1,8 +1,8 @@
-"""Versions of the monitor's saved state: the version written now, and the upgrade of the earlier ones it reads.
+"""The monitor's saved state: the version written now, the upgrade of the earlier ones it reads, and its JSON form.
 
-Version 3 keeps each component's part under its own key per optimizer (``engine``, ``forecast``, ``schedule``,
-``interventions``); version 2 (lightning_stale 0.1 before the components) kept the prediction sums inside the
-engine's rows and the reset counters at the top level.
+Version 4 keeps each component's part under its own key per optimizer (``engine``, ``forecast``, ``ledger``,
+``interventions``); version 3 saved the ledger's part under ``schedule``; version 2 (lightning_stale 0.1 before the
+components) kept the prediction sums inside the engine's rows and the reset counters at the top level.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 OLDEST_VERSION = 2
 
 
@@ -28,10 +28,20 @@ def upgrade(state: dict[str, Any]) -> dict[str, Any]:
     if version < OLDEST_VERSION:
         raise ValueError(f"the saved monitor state has version {version}, older than this lightning_stale reads "
                          f"({OLDEST_VERSION} to {STATE_VERSION}): drop the saved monitor state to resume")
-    return state if version == STATE_VERSION else _from_v2(state)
+    while state["version"] < STATE_VERSION:  # one version at a time
+        state = (_from_v2 if state["version"] == 2 else _from_v3)(state)
+    return state
+
+
+def _from_v3(state: dict[str, Any]) -> dict[str, Any]:
+    """A version 3 state in the version 4 layout: the ledger's part under its own name."""
+    optimizers = [{("ledger" if key == "schedule" else key): value for key, value in part.items()}
+                  for part in state["optimizers"]]
+    return {**state, "version": 4, "optimizers": optimizers}
 
 
 def _from_v2(state: dict[str, Any]) -> dict[str, Any]:
+    """A version 2 state in the version 3 layout."""
     optimizers = []
     for i, saved in enumerate(state["optimizers"]):
         engine, rows = saved["engine"], saved["engine"]["totals"]  # rows: "host" = [measured, prediction sum, count]
@@ -46,7 +56,7 @@ def _from_v2(state: dict[str, Any]) -> dict[str, Any]:
                               "remedy_resets": state.get("remedy_resets", 0) if first else 0},
         })
     kept = {key: value for key, value in state.items() if key not in ("reset_events", "remedy_resets", "optimizers")}
-    return {**kept, "version": STATE_VERSION, "optimizers": optimizers}
+    return {**kept, "version": 3, "optimizers": optimizers}
 
 
 def to_json(state: Any) -> Any:
