@@ -347,3 +347,27 @@ def test_partial_blocks_and_quantize_into(name: str, signed: bool) -> None:
     assert q.codes is codes and q.scale is scale  # in place
     assert torch.equal(fmt.dequantize(q), fmt.dequantize(fmt.quantize(x)))
     assert torch.allclose(fmt.dequantize(q), x, rtol=0.5, atol=0.2 * x.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nearest_on_grid_is_the_cast_round_trip_eager_and_compiled(dtype: torch.dtype) -> None:
+    """The write-back's integer-op bf16 rounding equals the cast's round to nearest even bit for bit, on ties,
+    subnormals, the largest finite values (which round to inf), infinities and NaN, eager and compiled as the kernels compile (fp16 with emulated casts)."""
+    from lightning_stale._compat import multi_tensor_compile
+    from lightning_stale.formats.floats import nearest_on_grid
+
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randn(4096, generator=gen) * torch.logspace(-40, 38, 4096)
+    ties = (torch.arange(1, 257, dtype=torch.float32).to(torch.bfloat16).float().view(torch.int32) | 0x8000).view(
+        torch.float32)  # exactly halfway between two bf16 neighbours
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, float("inf"), -float("inf"), float("nan"),
+                            65519.0, 65520.0, 6e-8, 1e-8])
+    low_payload_nan = torch.tensor([0x7F800001, -0x007FFFFF], dtype=torch.int32).view(torch.float32)  # +1 -> inf
+    x = torch.cat([spread, ties, -ties, special, low_payload_nan])
+    expected = x.to(dtype).float()
+    with multi_tensor_compile(emulate_casts=dtype == torch.float16):  # as the write-back's kernels compile
+        compiled = torch.compile(nearest_on_grid, fullgraph=True, dynamic=False)(x, dtype)
+    for got in (nearest_on_grid(x, dtype), compiled):
+        assert torch.equal(got.isnan(), expected.isnan())
+        finite = ~expected.isnan()
+        assert torch.equal(got[finite].view(torch.int32), expected[finite].view(torch.int32))

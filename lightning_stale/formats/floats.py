@@ -53,7 +53,8 @@ def nearest_on_grid(x: Tensor, dtype: torch.dtype) -> Tensor:
     if dtype == torch.bfloat16:
         bits = x.view(torch.int32)
         rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
-        return torch.where(x.isnan(), x, rounded)  # a NaN stays one (adding to its bits could make it inf)
+        # a NaN stays one (adding to its bits could make it inf); x != x vectorizes where Inductor scalarizes isnan
+        return torch.where(x != x, x, rounded)
     return x.to(dtype).float()
 
 
