@@ -15,7 +15,7 @@ The opt-in ``guard`` mode (``underflow_guard=True``) adds ``QuantizedAdamW`` wit
 states to the optimizers and a second table: the guard's own time (around each guard pass) against the optimizer's
 update (from ``on_before_optimizer_step``, after the backward pass, to the monitor's post-step hook), median per step,
 in the same runs. At 160 tensors the model has 40 weights of 274 x 274 = 75,076 elements (the guard's in-place size
-is 65,536): the 40-shape model of issue 23.
+is 65,536).
 
 The opt-in ``weights`` modes (with ``--precision bf16-true``) take the weight write over (``weights="stochastic"``,
 ``"compensated"``, ``"stochastic+moments"`` and ``"compensated+moments"``: torch.optim only); the opt-in ``auto`` mode
@@ -37,7 +37,7 @@ state bytes, for the timed models and for ~12M-parameter models (memory only; re
         --model demo --modes default weights weights-moments
     .venv/bin/python benchmarks/overhead.py --paired --rounds 7 --steps 50 --threads 1
 
-``--paired`` (issue 29): monitor + guard on a 4 x 1024x1024 MLP with bitsandbytes AdamW8bit and torch AdamW (fp32
+``--paired``: monitor + guard on a 4 x 1024x1024 MLP with bitsandbytes AdamW8bit and torch AdamW (fp32
 states), each against the same model unmonitored, trained side by side in one process with their steps interleaved,
 so that load from other processes falls on both; a run's ratio is total step time monitored / unmonitored (the
 logging steps included), the table gives the median over runs and the time inside the monitor (``--cpu-time``: the
@@ -327,7 +327,7 @@ class HookClock:
 
 
 class MlpCopy:
-    """One copy of issue 29's MLP (4 x ``Linear(1024, 1024)`` with ReLU, batch 32) with its optimizer, monitored
+    """One copy of the paired MLP (4 x ``Linear(1024, 1024)`` with ReLU, batch 32) with its optimizer, monitored
     with the underflow guard on (``compute()`` and ``reset_window()`` every ``MLP_LOG_EVERY`` steps, as the callback
     logs) or not; each call is one training step."""
 
@@ -352,12 +352,12 @@ class MlpCopy:
 
 
 def paired(args: argparse.Namespace) -> None:
-    """``--paired``: monitor + guard against no monitor on issue 29's MLP, each optimizer's two copies trained side by
+    """``--paired``: monitor + guard against no monitor on the paired MLP, each optimizer's two copies trained side by
     side in one process with their steps interleaved (the order alternates every step), so that both see the same
     load; a run's ratio is the monitored copy's total step time over the unmonitored copy's (logging steps
     included), and the table gives the median over runs."""
     makers = optimizers(args.device)
-    print(f"torch {torch.__version__}, {args.threads} thread(s); issue 29's MLP (4 x Linear(1024, 1024), batch "
+    print(f"torch {torch.__version__}, {args.threads} thread(s); the paired MLP (4 x Linear(1024, 1024), batch "
           f"{BATCH}), plain loop; StaleStateMonitor(underflow_guard=True) with compute() every {MLP_LOG_EVERY} "
           f"steps against no monitor, steps interleaved; {args.rounds} runs of {args.steps} steps after "
           f"{args.warmup} warm-up steps; {'thread CPU' if clock is time.thread_time else 'wall'} time")
@@ -409,7 +409,7 @@ def main() -> None:
     parser.add_argument("--memory-params", type=int, default=12_000_000,
                         help="total parameters of the memory-only models")
     parser.add_argument("--paired", action="store_true",
-                        help="monitor + guard on issue 29's MLP, interleaved in one process (--rounds runs of --steps)")
+                        help="monitor + guard on a 4 x Linear(1024, 1024) MLP, interleaved in one process (--rounds runs of --steps)")
     args = parser.parse_args()
     if args.cpu_time:
         global clock

@@ -96,7 +96,7 @@ PLAN: dict[float, dict[str, tuple[str, ...]]] = {
 LONG = {"steps": 5000, "dim": 64, "hidden": 176, "lrs": [2e-3], "out": "out/recovery-long"}
 LONG_PLAN = {c: tuple(r for r in ROWS if r != "periodic" and cell_config(r, c)) for c in COLUMNS if c != "fp32"}
 LONG_PLAN["fp32"] = ("nearest",)
-# bf16 weights (issue 27): the write-back's rows and auto against nearest; bf16-mixed is what autocast's bf16 compute
+# bf16 weights: the write-back's rows and auto against nearest; bf16-mixed is what autocast's bf16 compute
 # costs, torchmaster what bf16-true compute costs (the floor under any write of weights and states)
 LONG_PLAN.update({c: ("nearest", "wsr", "wkahan", "auto") for c in ("bnb8bitbf16",)}, torchmixed=("nearest",),
                  **{c: ("nearest",) for c in CONTROLS})
