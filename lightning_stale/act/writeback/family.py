@@ -77,8 +77,9 @@ class Columns:
 
 def member_columns(members: list[Member]) -> Columns:
     """The columns every family's bucket has: the weights ``w`` and compensation buffers ``c`` (None where there is
-    none) as the passes take them, and each member's ``index`` and shard ``start`` (int32, on the members' device)
-    for its noise keys."""
+    none) as the passes take them, each member's ``index`` and shard ``start`` (int32, on the members' device) for its
+    noise keys, and its param ``group`` (int64 on the host: it picks rows of the host table of the groups'
+    hyper-parameters, which then go to the device in one copy)."""
     device = members[0].local.device
     flat = all(m.local.is_contiguous() for m in members)
     columns = Columns(flat=flat, compiled=flat and _compat.compiles(sum(m.local.numel() for m in members), device))
@@ -86,6 +87,7 @@ def member_columns(members: list[Member]) -> Columns:
     columns.lists["c"] = [None if m.buffer is None else columns.view(m.buffer) for m in members]
     columns.tensors["index"] = torch.tensor([m.index for m in members], dtype=torch.int32, device=device)
     columns.tensors["start"] = torch.tensor([as_int32(m.start) for m in members], dtype=torch.int32, device=device)
+    columns.tensors["group"] = torch.tensor([m.position[0] for m in members], dtype=torch.long)
     return columns
 
 

@@ -69,7 +69,6 @@ class TorchAdam(Family):
         for key, name in (("exp_avg", "m"), ("exp_avg_sq", "v")):
             columns.lists[name] = [columns.view(local_tensor(state[key])) for state in states]
         columns.lists["step"] = [state["step"] for state in states]
-        columns.tensors["group"] = torch.tensor([m.position[0] for m in members], dtype=torch.long)
         return columns
 
     def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:

@@ -68,7 +68,6 @@ class TorchSGD(Family):
         momentum = members[0].group["momentum"] != 0
         columns.lists["buf"] = [columns.view(local_tensor(self.optimizer.state[m.param]["momentum_buffer"]))
                                 if momentum else None for m in members]
-        columns.tensors["group"] = torch.tensor([m.position[0] for m in members], dtype=torch.long)
         return columns
 
     def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:
