@@ -14,7 +14,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 log = logging.getLogger("lightning_stale")
@@ -43,7 +43,7 @@ def rank_zero_info(message: str) -> None:
         _info_log().info(message)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _info_log() -> logging.Logger:
     """The logger of the lines :func:`rank_zero_info` writes without Lightning, set up as Lightning sets up its own:
     INFO and up, to stderr unless the application configured logging."""
@@ -133,11 +133,16 @@ def _dtensor_type() -> type | None:
 _DTENSOR = _dtensor_type()
 
 
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (an FSDP2 parameter, gradient or optimizer state)."""
+    return _DTENSOR is not None and isinstance(tensor, _DTENSOR)
+
+
 def local_tensor(tensor: Any) -> Any:
     """This process's shard of a ``DTensor`` (FSDP2 parameters, gradients and optimizer states), else the tensor.
 
     ``to_local()`` is a view of the shard's storage: in-place writes through it change the optimizer's state."""
-    if _DTENSOR is not None and isinstance(tensor, _DTENSOR):
+    if is_dtensor(tensor):
         return tensor.to_local()
     return tensor
 
@@ -146,7 +151,7 @@ def shard_flat_start(tensor: Any) -> int:
     """Flat position, in the whole tensor, of the first element of this process's ``DTensor`` shard (0 for a plain or
     replicated tensor): an FSDP2 dim-0 shard's elements are the whole tensor's from there on. Reads torch's private
     ``compute_local_shape_and_global_offset``; 0 where it is missing or fails."""
-    if _DTENSOR is None or not isinstance(tensor, _DTENSOR):
+    if not is_dtensor(tensor):
         return 0
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -253,7 +258,7 @@ def cpu_bf16_units() -> tuple[str, ...]:
     checks = (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
     try:
         return tuple(name for name, check in checks if getattr(torch.cpu, check, lambda: False)())
-    except Exception:  # a changed private API: no detail, the kernel set alone
+    except Exception:  # noqa: BLE001 - a changed private API: no detail, the kernel set alone
         return ()
 
 

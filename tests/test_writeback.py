@@ -374,6 +374,29 @@ def test_the_compiled_pass_writes_the_eager_passes_bits(make, monkeypatch):
         assert len(eager) == len(compiled) and all(torch.equal(a, b) for a, b in zip(eager, compiled))
 
 
+@pytest.mark.skipif(not _compat.compiler_available(), reason="torch.compile needs a C++ compiler")
+def test_one_graph_per_call_length_whatever_the_ranks(monkeypatch):
+    """Each tensor reaches the compiled pass flat and not as a view (a view's base would put its rank into the
+    guards): 18 parameters whose 1-D and 2-D ones fall differently in each call compile one graph per call length
+    (8 and 2), not one per pattern of ranks."""
+    from torch._dynamo.utils import counters
+
+    from lightning_stale.act.writeback.families import torch_adam
+
+    monkeypatch.setattr(family._compat, "compiles", lambda numel, device: True)
+    monkeypatch.setattr(torch_adam, "ADAM", kernels.MultiTensor(torch_adam.adam))  # a kernel no test compiled yet
+    torch.manual_seed(0)
+    blocks = [m for _ in range(6) for m in (torch.nn.Linear(32, 32), torch.nn.LayerNorm(32, bias=False))]
+    net = torch.nn.Sequential(*blocks).bfloat16()  # ranks 2, 1, 1, 2, 1, 1, ...: the two calls of 8 differ
+    opt = torch.optim.AdamW(net.parameters(), **KW)
+    writeback = WeightWriteBack(opt, "compensated", moments="stochastic")
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(3):
+        checks.step(net, opt, torch.randn(4, 32).bfloat16())
+    writeback.close()
+    assert len(list(net.parameters())) == 18 and counters["stats"]["unique_graphs"] - before == 2
+
+
 def test_refuses_optimizers_without_a_family():
     with pytest.raises(ValueError, match="Adagrad: not a supported optimizer family.*torch.optim.adamw.AdamW"):
         WeightWriteBack(torch.optim.Adagrad(checks.model().parameters()))

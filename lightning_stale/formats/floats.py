@@ -41,10 +41,6 @@ def stochastic_round_float(
     return torch.copysign(torch.where(small, rounded - offset, rounded), x)
 
 
-_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
-_FP16_MAX = float(torch.finfo(torch.float16).max)
-
-
 def nearest_on_grid(x: Tensor, dtype: torch.dtype) -> Tensor:
     """fp32 ``x`` rounded to the nearest value of ``dtype`` (bf16 or fp16; ties to even, as the cast), still in fp32.
     bf16 rounds the fp32 bit pattern with integer ops: a compiler cannot fold the round trip away (Inductor drops an
@@ -54,7 +50,7 @@ def nearest_on_grid(x: Tensor, dtype: torch.dtype) -> Tensor:
         bits = x.view(torch.int32)
         rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
         # a NaN stays one (adding to its bits could make it inf); x != x vectorizes where Inductor scalarizes isnan
-        return torch.where(x != x, x, rounded)
+        return torch.where(x != x, x, rounded)  # noqa: PLR0124 - the NaN test
     return x.to(dtype).float()
 
 
@@ -63,10 +59,12 @@ def on_grid(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
     into ``dtype`` is then exact), saturating at its largest finite value; ``noise``: int32 in [0, 2^NOISE_BITS)
     shaped like ``x``. bf16 adds the noise below its mantissa in the fp32 bit pattern and truncates (torchao's
     ``_fp32_to_bf16_sr``); fp16 goes through :func:`stochastic_round_float` for its subnormals."""
+    # the largest finite value, read here: torch.compile folds it, where a module-level float becomes a graph input
+    top = torch.finfo(dtype).max
     if dtype == torch.bfloat16:
-        bits = x.clamp(-_BF16_MAX, _BF16_MAX).view(torch.int32) + (noise >> (NOISE_BITS - 16))
+        bits = x.clamp(-top, top).view(torch.int32) + (noise >> (NOISE_BITS - 16))
         return (bits & -65536).view(torch.float32)
-    return stochastic_round_float(x, 10, -14, _FP16_MAX, noise)
+    return stochastic_round_float(x, 10, -14, top, noise)
 
 
 def round_up_float(target: Tensor, dtype: torch.dtype) -> Tensor:

@@ -64,15 +64,25 @@ class Columns:
     tensors: dict[str, Tensor] = field(default_factory=dict)
     flat: bool = True  # every tensor is taken as a flat view (all contiguous); else in its own shape, eagerly
     compiled: bool = False  # the bucket's pass runs torch.compile'd (flat, enough elements, a compiler)
+    sharded: bool = False  # the members are DTensors (their gradients too): the passes take their local shards
 
     def view(self, tensor: Tensor) -> Tensor:
-        """``tensor`` as this bucket's passes take it: flat where the bucket is, else as it is."""
-        return tensor.view(-1) if self.flat else tensor
+        """``tensor`` as this bucket's passes take it: flat where the bucket is, else as it is. See :func:`flat`."""
+        return flat(tensor) if self.flat else tensor
 
     def subset(self, take: Sequence[int]) -> Columns:
         index = {t.device: torch.tensor(list(take), dtype=torch.long, device=t.device) for t in self.tensors.values()}
         return Columns({name: [values[i] for i in take] for name, values in self.lists.items()},
-                       {name: t[index[t.device]] for name, t in self.tensors.items()}, self.flat, self.compiled)
+                       {name: t[index[t.device]] for name, t in self.tensors.items()}, self.flat, self.compiled,
+                       self.sharded)
+
+
+def flat(tensor: Tensor) -> Tensor:
+    """``tensor``'s elements as a 1-D tensor that is not a view (the same storage and version counter where it is
+    contiguous, as every tensor a bucket writes is; a copy of a gradient that is not): Dynamo guards a view's base,
+    whose rank differs between parameters (1-D norms, 2-D matrices), and would compile, and check on every call, one
+    graph per pattern of ranks in a group of tensors."""
+    return tensor.reshape(-1).detach()
 
 
 def member_columns(members: list[Member]) -> Columns:
@@ -81,8 +91,9 @@ def member_columns(members: list[Member]) -> Columns:
     noise keys, and its param ``group`` (int64 on the host: it picks rows of the host table of the groups'
     hyper-parameters, which then go to the device in one copy)."""
     device = members[0].local.device
-    flat = all(m.local.is_contiguous() for m in members)
-    columns = Columns(flat=flat, compiled=flat and _compat.compiles(sum(m.local.numel() for m in members), device))
+    contiguous = all(m.local.is_contiguous() for m in members)
+    compiled = contiguous and _compat.compiles(sum(m.local.numel() for m in members), device)
+    columns = Columns(flat=contiguous, compiled=compiled, sharded=any(_compat.is_dtensor(m.param) for m in members))
     columns.lists["w"] = [columns.view(m.local) for m in members]
     columns.lists["c"] = [None if m.buffer is None else columns.view(m.buffer) for m in members]
     columns.tensors["index"] = torch.tensor([m.index for m in members], dtype=torch.int32, device=device)

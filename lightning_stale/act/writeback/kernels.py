@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import torch
@@ -104,7 +104,7 @@ def _loop(columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple
         one(*[column[i] for column in columns], *[row[i] for row in rows], *flags)  # noqa: F821 - a global of its copy
 
 
-@lru_cache(maxsize=None)
+@cache
 def _groups(count: int) -> tuple[tuple[int, int], ...]:
     """(start, stop) of the compiled calls over ``count`` tensors: groups of GROUP, then halving lengths."""
     out, start, length = [], 0, GROUP
@@ -160,5 +160,7 @@ class MultiTensor:
             self._compiled = torch.compile(self._loop, dynamic=True, fullgraph=True)
         # fp16's nearest rounding is a cast pair, which Inductor keeps only when it emulates casts (bf16's is bit ops)
         with _compat.multi_tensor_compile(emulate_casts=any(t.dtype == torch.float16 for t in columns[0])):
-            for start, stop in _groups(len(columns[0])):
-                self._compiled([column[start:stop] for column in columns], [row[start:stop] for row in rows], flags)
+            groups = _groups(len(columns[0]))
+            pieces = [row.split([stop - start for start, stop in groups]) for row in rows]  # one call per table
+            for g, (start, stop) in enumerate(groups):
+                self._compiled([column[start:stop] for column in columns], [piece[g] for piece in pieces], flags)

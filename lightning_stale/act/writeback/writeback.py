@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_stale import _compat
 from lightning_stale._compat import local_tensor, shard_flat_start
-from lightning_stale.act.writeback.family import Columns, Family, Member, Write, family_for, supported
+from lightning_stale.act.writeback.family import Columns, Family, Member, Write, family_for, flat, supported
 from lightning_stale.act.writeback.kernels import step_key
 from lightning_stale.adapters import inner_optimizer
 from lightning_stale.messages import info
@@ -32,7 +32,7 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 class _Bucket:
     """Members updated in one pass, with their columns (built when the taken-over set changes)."""
 
-    __slots__ = ("members", "params", "columns")
+    __slots__ = ("columns", "members", "params")
 
     def __init__(self, members: list[Member], columns: Columns) -> None:
         self.members, self.columns = members, columns
@@ -225,11 +225,11 @@ class WeightWriteBack:
                     continue
                 members, columns = [bucket.members[i] for i in take], bucket.columns.subset(take)
                 params, grads = [bucket.params[i] for i in take], [grads[i] for i in take]
-            local = [local_tensor(g) for g in grads]
-            self.family.update(members, columns, [g.reshape(-1) for g in local] if columns.flat else local, write)
-            for param, grad in zip(params, grads):
+            local = [local_tensor(g) for g in grads] if columns.sharded else grads
+            self.family.update(members, columns, [flat(g) for g in local] if columns.flat else local, write)
+            for param in params:
                 param.grad = None
-                self._hidden.append((param, grad))
+            self._hidden.extend(zip(params, grads))
             wrote = True
         self.count += wrote
 

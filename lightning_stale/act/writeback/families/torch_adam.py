@@ -30,14 +30,16 @@ from lightning_stale.act.writeback.kernels import (
 def adam(w: Tensor, c: Tensor | None, g: Tensor, m: Tensor, v: Tensor, scalars: Tensor, keys: Tensor,
          weights: str, moments: str) -> None:
     """One parameter's Adam/AdamW step in fp32, in place. ``scalars``: fp32 (1 - beta1, beta2, 1 - beta2, gradient
-    sign, coupled weight decay, decoupled decay factor, step size (negative), sqrt of v's bias correction, eps)."""
-    one_minus_beta1, beta2, one_minus_beta2, sign, l2, decay, step_size, bc2_sqrt, eps = scalars.unbind()
+    sign, coupled weight decay, decoupled decay factor, step size (negative), eps), the step size and eps both
+    multiplied by the square root of v's bias correction: one division per element where torch divides twice (the
+    same update to an ulp of it)."""
+    one_minus_beta1, beta2, one_minus_beta2, sign, l2, decay, step_size, eps = scalars.unbind()
     target = weight_target(w, c)
     g = g.float() * sign + target * l2
     mf = m.float()
     mf = mf + (g - mf) * one_minus_beta1
     vf = v.float() * beta2 + (g * g) * one_minus_beta2
-    new = target * decay + step_size * (mf / (sqrt(vf) / bc2_sqrt + eps))
+    new = target * decay + step_size * (mf / (sqrt(vf) + eps))
     stochastic = weights == "stochastic"
     write_weight(w, c, new, weights, noise(w, keys) if stochastic else None)
     write_moments((m, v), (mf, vf), moments, noise(w, keys, second=stochastic) if moments == "stochastic" else None)
@@ -93,8 +95,9 @@ class TorchAdam(Family):
         lr, beta1, beta2, eps, wd, sign, decoupled = (
             torch.tensor(rows, dtype=torch.float64)[group_index].to(step.device).unbind(1))
         decay = torch.where((decoupled > 0) & (wd != 0), 1.0 - lr * wd, torch.ones_like(lr))
+        bc2_sqrt = (1.0 - beta2**step).sqrt()
         return torch.stack([1.0 - beta1, beta2, 1.0 - beta2, sign, wd * (1.0 - decoupled), decay,
-                            -lr / (1.0 - beta1**step), (1.0 - beta2**step).sqrt(), eps], dim=1).float()
+                            -lr * bc2_sqrt / (1.0 - beta1**step), eps * bc2_sqrt], dim=1).float()
 
 
 FAMILIES = {torch.optim.Adam: TorchAdam, torch.optim.AdamW: TorchAdam}
