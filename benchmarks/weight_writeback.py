@@ -7,7 +7,8 @@ configuration's time is the median over rounds of its step time divided by torch
 round (nearest rounding on the same parameters): torch fused; torch with the monitor alone and with each ``weights``
 mode (``"compensated+moments"`` is what ``remedy="auto"`` writes on torch.optim); torch-optimi ``AdamW(kahan_sum=True)``
 (foreach and its default); torchao ``AdamW(bf16_stochastic_round=True)``; bitsandbytes ``AdamW8bit`` without and with
-the compensated write (what ``remedy="auto"`` writes there). The first steps (compiles) are excluded. torch-optimi and
+the compensated write (what ``remedy="auto"`` writes there). The last rows pair auto with torch fused and torch-optimi
+Kahan round by round (the median of auto's time over theirs). The first steps (compiles) are excluded. torch-optimi and
 torchao are optional (``pip install torch-optimi torchao``): a line says when one is absent.
 
 ``--part train``: the long plan's training step (the demo decoder, 17 tensors, bf16-true, batch 16 x 64 bytes):
@@ -39,6 +40,8 @@ from lightning_stale.demo.model import Decoder, DecoderConfig
 TOTAL = 12_200_000  # elements of every stack
 LAYERS = {66: 7, 291: 32, 1020: 113}  # tensors -> layers (9 per layer, plus 3)
 REFERENCE = "torch AdamW foreach (nearest)"
+AUTO = "torch AdamW + weights='compensated+moments' (auto)"
+PEERS = ("torch AdamW fused", "torch-optimi AdamW kahan_sum, foreach", "torch-optimi AdamW kahan_sum")
 
 
 def llama_shapes(layers: int, total: int = TOTAL) -> list[tuple[int, ...]]:
@@ -79,9 +82,9 @@ def step_configurations() -> dict[str, Callable[[list[torch.nn.Parameter]], Call
 
     out = {REFERENCE: torch_adamw(foreach=True), "torch AdamW fused": torch_adamw(fused=True),
            "torch AdamW + monitor": monitored(None)}
-    for weights in ("stochastic", "compensated", "stochastic+moments", "compensated+moments"):
-        out[f"torch AdamW + weights={weights!r}" + (" (auto)" if weights == "compensated+moments" else "")] = \
-            monitored(weights)
+    for weights in ("stochastic", "compensated", "stochastic+moments"):
+        out[f"torch AdamW + weights={weights!r}"] = monitored(weights)
+    out[AUTO] = monitored("compensated+moments")
     if importlib.util.find_spec("optimi") is not None:
         import optimi
 
@@ -95,7 +98,7 @@ def step_configurations() -> dict[str, Callable[[list[torch.nn.Parameter]], Call
         import torchao.optim
 
         # torchao 0.18 keeps its plain AdamW (the one with bf16_stochastic_round) as _AdamW
-        AoAdamW = getattr(torchao.optim, "AdamW", None) or torchao.optim._AdamW  # noqa: N806
+        AoAdamW = getattr(torchao.optim, "AdamW", None) or torchao.optim._AdamW
 
         out["torchao AdamW bf16_stochastic_round"] = \
             lambda ps: AoAdamW(ps, lr=1e-3, weight_decay=0.1, bf16_stochastic_round=True).step
@@ -135,6 +138,9 @@ def run_steps(tensors: int, rounds: int, warmup: int) -> dict[str, float]:
                 seconds[name].append(time.perf_counter() - start)
     ratios = {name: statistics.median(t / ref for t, ref in zip(seconds[name], seconds[REFERENCE]))
               for name in names}
+    for peer in PEERS:  # auto over each one-pass peer, paired round by round (the step-time targets' quantity)
+        if peer in seconds:
+            ratios[f"{AUTO} / {peer}"] = statistics.median(a / p for a, p in zip(seconds[AUTO], seconds[peer]))
     ratios["_reference_ms"] = 1e3 * statistics.median(seconds[REFERENCE])
     ratios["_elements"] = sum(torch.Size(s).numel() for s in shapes)
     ratios["_tensors"] = len(shapes)
