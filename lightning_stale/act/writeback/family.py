@@ -67,8 +67,8 @@ class Columns:
     sharded: bool = False  # the members are DTensors (their gradients too): the passes take their local shards
 
     def view(self, tensor: Tensor) -> Tensor:
-        """``tensor`` as this bucket's passes take it: flat where the bucket is, else as it is. See :func:`flat`."""
-        return flat(tensor) if self.flat else tensor
+        """``tensor`` as this bucket's passes take it: flat (:func:`flat_alias`) where the bucket is, else as it is."""
+        return flat_alias(tensor) if self.flat else tensor
 
     def subset(self, take: Sequence[int]) -> Columns:
         index = {t.device: torch.tensor(list(take), dtype=torch.long, device=t.device) for t in self.tensors.values()}
@@ -77,7 +77,7 @@ class Columns:
                        self.sharded)
 
 
-def flat(tensor: Tensor) -> Tensor:
+def flat_alias(tensor: Tensor) -> Tensor:
     """``tensor``'s elements as a 1-D tensor that is not a view (the same storage and version counter where it is
     contiguous, as every tensor a bucket writes is; a copy of a gradient that is not): Dynamo guards a view's base,
     whose rank differs between parameters (1-D norms, 2-D matrices), and would compile, and check on every call, one

@@ -20,7 +20,15 @@ from torch import Tensor
 
 from lightning_stale import _compat
 from lightning_stale._compat import local_tensor, shard_flat_start
-from lightning_stale.act.writeback.family import Columns, Family, Member, Write, family_for, flat, supported
+from lightning_stale.act.writeback.family import (
+    Columns,
+    Family,
+    Member,
+    Write,
+    family_for,
+    flat_alias,
+    supported,
+)
 from lightning_stale.act.writeback.kernels import step_key
 from lightning_stale.adapters import inner_optimizer
 from lightning_stale.messages import info
@@ -226,7 +234,7 @@ class WeightWriteBack:
                 members, columns = [bucket.members[i] for i in take], bucket.columns.subset(take)
                 params, grads = [bucket.params[i] for i in take], [grads[i] for i in take]
             local = [local_tensor(g) for g in grads] if columns.sharded else grads
-            self.family.update(members, columns, [flat(g) for g in local] if columns.flat else local, write)
+            self.family.update(members, columns, [flat_alias(g) for g in local] if columns.flat else local, write)
             for param in params:
                 param.grad = None
             self._hidden.extend(zip(params, grads))
