@@ -12,7 +12,7 @@ import torch
 import writeback_checks as checks
 from lightning_stale import _compat
 from lightning_stale.act.writeback import WeightWriteBack, family, kernels
-from lightning_stale.formats.noise import NOISE_MASK
+from lightning_stale.formats.noise import NOISE_MASK, counter_hash
 from lightning_stale.vocab import COMPENSATION_KEY
 
 LR = 1e-2
@@ -281,8 +281,8 @@ def test_fp32_parameters_are_untouched():
 
 def test_stochastic_rounding_is_unbiased_and_keyed_not_random():
     value = torch.full((200_000,), 1.0 + 1e-3)  # between bf16 1.0 and 1.0078125
-    keys = kernels.noise_keys(kernels.step_key(3, 7), torch.tensor([2], dtype=torch.int32),
-                              torch.tensor([0], dtype=torch.int32))[0]
+    base = kernels.noise_base(torch.tensor([2], dtype=torch.int32), torch.tensor([0], dtype=torch.int32))
+    keys = kernels.noise_keys(kernels.step_key(3, 7), base)[0]
     state = torch.random.get_rng_state()
     bits = kernels.noise(value, keys) & NOISE_MASK
     from lightning_stale.formats.floats import on_grid
@@ -293,8 +293,7 @@ def test_stochastic_rounding_is_unbiased_and_keyed_not_random():
     assert set(on_grid(value, torch.bfloat16, bits).unique().tolist()) == {1.0, 1.0078125}
     assert torch.equal(bits, kernels.noise(value, keys) & NOISE_MASK)
     assert torch.equal(state, torch.random.get_rng_state())  # the global RNG is never used
-    other = kernels.noise_keys(kernels.step_key(3, 8), torch.tensor([2], dtype=torch.int32),
-                               torch.tensor([0], dtype=torch.int32))[0]
+    other = kernels.noise_keys(kernels.step_key(3, 8), base)[0]
     assert not torch.equal(bits, kernels.noise(value, other) & NOISE_MASK)
 
 
@@ -302,11 +301,23 @@ def test_a_shards_noise_is_the_whole_parameters_from_its_start():
     """Noise follows each element's place in the whole parameter: a shard starting at element s draws what the whole
     parameter's elements from s on draw, so FSDP2 ranks draw disjointly and replicas alike."""
     key = kernels.step_key(5, 2)
-    whole = kernels.noise(torch.empty(1000), kernels.noise_keys(key, torch.tensor([7], dtype=torch.int32),
-                                                                torch.tensor([0], dtype=torch.int32))[0])
-    shard = kernels.noise(torch.empty(600), kernels.noise_keys(key, torch.tensor([7], dtype=torch.int32),
-                                                               torch.tensor([400], dtype=torch.int32))[0])
+    index = torch.tensor([7], dtype=torch.int32)
+    whole = kernels.noise(torch.empty(1000), kernels.noise_keys(key, kernels.noise_base(index, index * 0))[0])
+    shard = kernels.noise(torch.empty(600), kernels.noise_keys(key, kernels.noise_base(index, index * 0 + 400))[0])
     assert torch.equal(whole[400:], shard)
+
+
+def test_noise_keys_are_the_hash_of_each_index_under_the_steps_key():
+    """The per-parameter round of the hash is built once; each step's keys are the whole hash of the index under the
+    step's key (and of the second stream's), plus the shard's start."""
+    indices = torch.arange(-5, 300, 7, dtype=torch.int32)
+    starts = torch.randint(-2**31, 2**31 - 1, indices.shape, dtype=torch.int32)
+    base = kernels.noise_base(indices, starts)
+    for count in (0, 1, 12345):
+        key = kernels.step_key(11, count)
+        second = torch.tensor(kernels._SECOND_STREAM, dtype=torch.int32)
+        expected = torch.stack([counter_hash(indices, key) + starts, counter_hash(indices ^ second, key)], dim=1)
+        assert torch.equal(kernels.noise_keys(key, base), expected)
 
 
 def test_same_seed_same_weights_like_replicated_ranks():

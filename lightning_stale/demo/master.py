@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.adam import adam
 
-from lightning_stale.act.writeback.kernels import noise, noise_keys, step_key
+from lightning_stale.act.writeback.kernels import noise, noise_base, noise_keys, step_key
 from lightning_stale.formats.floats import on_grid
 from lightning_stale.formats.noise import NOISE_MASK
 
@@ -44,7 +44,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     def _round(self, x: torch.Tensor, dtype: torch.dtype, step: int, index: int) -> torch.Tensor:
         where = torch.tensor([index], dtype=torch.int32, device=x.device)
-        keys = noise_keys(step_key(self.seed, step), where, torch.zeros_like(where))[0]
+        keys = noise_keys(step_key(self.seed, step), noise_base(where, torch.zeros_like(where)))[0]
         return on_grid(x.float(), dtype, noise(x, keys) & NOISE_MASK).to(dtype)
 
     @torch.no_grad()

@@ -25,8 +25,18 @@ def _round(x: Tensor, multiplier: int) -> Tensor:
 def counter_hash(counter: Tensor, key: Tensor | int) -> Tensor:
     """32 uniform random bits (int32) per element of the int32 ``counter``, keyed by the int32 ``key`` (a scalar, or a
     tensor broadcast against ``counter``). Pure integer ops: Inductor fuses it into the loop that uses it."""
-    x = _round(counter, 0x7FEB352D) ^ key
-    x = _round(_round(x, 0x2C1B3C6D), 0x297A2D39)
+    return keyed_hash(counter_mix(counter), key)
+
+
+def counter_mix(counter: Tensor) -> Tensor:
+    """The first round of :func:`counter_hash`, the part that does not depend on the key: where the same counters
+    are hashed under many keys (a parameter's noise keys, step after step), it is computed once."""
+    return _round(counter, 0x7FEB352D)
+
+
+def keyed_hash(mixed: Tensor, key: Tensor | int) -> Tensor:
+    """The rest of :func:`counter_hash`: ``counter_hash(c, key) == keyed_hash(counter_mix(c), key)``."""
+    x = _round(_round(mixed ^ key, 0x2C1B3C6D), 0x297A2D39)
     return x ^ ((x >> 15) & 0x1FFFF)
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_stale import _compat
+from lightning_stale.act.writeback.kernels import noise_base
 from lightning_stale.formats.noise import as_int32
 
 
@@ -87,17 +88,18 @@ def flat_alias(tensor: Tensor) -> Tensor:
 
 def member_columns(members: list[Member]) -> Columns:
     """The columns every family's bucket has: the weights ``w`` and compensation buffers ``c`` (None where there is
-    none) as the passes take them, each member's ``index`` and shard ``start`` (int32, on the members' device) for its
-    noise keys, and its param ``group`` (int64 on the host: it picks rows of the host table of the groups'
-    hyper-parameters, which then go to the device in one copy)."""
+    none) as the passes take them, the members' ``noise`` table (:func:`.kernels.noise_base` of their indices and
+    shard starts, on their device), and each one's param ``group`` (int64 on the host: it picks rows of the host
+    table of the groups' hyper-parameters, which then go to the device in one copy)."""
     device = members[0].local.device
     contiguous = all(m.local.is_contiguous() for m in members)
     compiled = contiguous and _compat.compiles(sum(m.local.numel() for m in members), device)
     columns = Columns(flat=contiguous, compiled=compiled, sharded=any(_compat.is_dtensor(m.param) for m in members))
     columns.lists["w"] = [columns.view(m.local) for m in members]
     columns.lists["c"] = [None if m.buffer is None else columns.view(m.buffer) for m in members]
-    columns.tensors["index"] = torch.tensor([m.index for m in members], dtype=torch.int32, device=device)
-    columns.tensors["start"] = torch.tensor([as_int32(m.start) for m in members], dtype=torch.int32, device=device)
+    columns.tensors["noise"] = noise_base(torch.tensor([m.index for m in members], dtype=torch.int32, device=device),
+                                          torch.tensor([as_int32(m.start) for m in members], dtype=torch.int32,
+                                                       device=device))
     columns.tensors["group"] = torch.tensor([m.position[0] for m in members], dtype=torch.long)
     return columns
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_stale import _compat
 from lightning_stale.formats.floats import nearest_on_grid, on_grid
-from lightning_stale.formats.noise import NOISE_MASK, as_int32, counter_hash, mix32
+from lightning_stale.formats.noise import NOISE_MASK, as_int32, counter_hash, counter_mix, keyed_hash, mix32
 
 GROUP = 8  # tensors per compiled call; a shorter tail runs as groups of 4, 2 and 1 (one graph per length)
 # Elements per eager call: the eager ops materialize a dozen fp32 temporaries of what they are given, so flat
@@ -40,12 +40,21 @@ def step_key(seed: int, count: int) -> int:
     return as_int32(mix32(mix32(seed) ^ count))
 
 
-def noise_keys(key: int, indices: Tensor, starts: Tensor) -> Tensor:
-    """(counter offset, hash key) per parameter, int32 (n, 2) on ``indices``' device: from the step's ``key``, each
-    parameter's ``indices`` (its position among the optimizer's parameters, the same on every rank) and ``starts``
-    (the flat position of this process's shard in the whole parameter). No rank enters: replicated ranks draw alike,
-    and shards draw what the whole parameter would."""
-    return torch.stack([counter_hash(indices, key) + starts, counter_hash(indices ^ _SECOND_STREAM, key)], dim=1)
+def noise_base(indices: Tensor, starts: Tensor) -> Tensor:
+    """What :func:`noise_keys` needs of each parameter, int32 (n, 4) on ``indices``' device, built once per set of
+    parameters: the key-independent round of the hash of its ``indices`` (its position among the optimizer's
+    parameters, the same on every rank) and of their second stream, and (``starts``, 0): the flat position of this
+    process's shard in the whole parameter. No rank enters: replicated ranks draw alike, and shards draw what the
+    whole parameter would."""
+    return torch.stack([counter_mix(indices), counter_mix(indices ^ _SECOND_STREAM), starts,
+                        torch.zeros_like(starts)], dim=1)
+
+
+def noise_keys(key: int, base: Tensor) -> Tensor:
+    """(counter offset, hash key) per parameter, int32 (n, 2), for the step's ``key``: the hash of each parameter's
+    index under ``key`` plus its shard's start, and the hash of its second stream (``base``: :func:`noise_base`; a
+    dozen small ops per step whatever the number of parameters)."""
+    return keyed_hash(base[:, :2], key) + base[:, 2:]
 
 
 def noise(like: Tensor, keys: Tensor, second: bool = False) -> Tensor:

@@ -50,7 +50,7 @@ class BitsAndBytesFamily(Family):
         return columns
 
     def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:
-        keys = noise_keys(write.key, columns.tensors["index"], columns.tensors["start"]) \
+        keys = noise_keys(write.key, columns.tensors["noise"]) \
             if write.weights == "stochastic" else None
         for i, (member, w, c, g, state) in enumerate(zip(members, columns.lists["w"], columns.lists["c"], grads,
                                                           columns.lists["state"])):

@@ -78,26 +78,27 @@ class TorchAdam(Family):
         torch._foreach_add_(steps, 1)
         device = columns.lists["w"][0].device
         scalars = to_device(self._scalars(columns.tensors["group"], steps), device)
-        keys = noise_keys(write.key, columns.tensors["index"], columns.tensors["start"])
+        keys = noise_keys(write.key, columns.tensors["noise"])
         ADAM([columns.lists[name] for name in ("w", "c")] + [grads] + [columns.lists[name] for name in ("m", "v")],
              [scalars, keys], (write.weights, write.moments), columns.compiled,
              columns.flat)
 
     def _scalars(self, group_index: Tensor, steps: list[Tensor]) -> Tensor:
         """:func:`adam`'s scalars per member (fp32), from its group's hyper-parameters and its step counter (already
-        advanced): tensor ops on the counters' device, no host read of a device counter."""
-        step = torch.stack(steps).to(torch.float64).reshape(-1)
+        advanced): what depends on the group only in Python floats, what depends on the step in a dozen tensor ops
+        on the counters' device (no host read of a device counter), in fp64."""
+        step = torch.stack(steps).to(torch.float64).reshape(-1, 1)
         rows = []
         for group in self.optimizer.param_groups:
+            lr, (beta1, beta2), wd = float(group["lr"]), group["betas"], group["weight_decay"]
             decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
-            rows.append((float(group["lr"]), *group["betas"], group["eps"], group["weight_decay"],
-                         -1.0 if group.get("maximize", False) else 1.0, float(decoupled)))
-        lr, beta1, beta2, eps, wd, sign, decoupled = (
-            torch.tensor(rows, dtype=torch.float64)[group_index].to(step.device).unbind(1))
-        decay = torch.where((decoupled > 0) & (wd != 0), 1.0 - lr * wd, torch.ones_like(lr))
-        bc2_sqrt = (1.0 - beta2**step).sqrt()
-        return torch.stack([1.0 - beta1, beta2, 1.0 - beta2, sign, wd * (1.0 - decoupled), decay,
-                            -lr * bc2_sqrt / (1.0 - beta1**step), eps * bc2_sqrt], dim=1).float()
+            rows.append((beta1, beta2, -lr, group["eps"], 1.0 - beta1, beta2, 1.0 - beta2,
+                         -1.0 if group.get("maximize", False) else 1.0, 0.0 if decoupled else wd,
+                         1.0 - lr * wd if decoupled and wd != 0 else 1.0))
+        table = torch.tensor(rows, dtype=torch.float64)[group_index].to(step.device)
+        corrections = 1.0 - table[:, :2] ** step  # 1 - beta1^t, 1 - beta2^t
+        scaled = table[:, 2:4] * corrections[:, 1:].sqrt()  # -lr and eps times sqrt(1 - beta2^t)
+        return torch.cat([table[:, 4:], scaled[:, :1] / corrections[:, :1], scaled[:, 1:]], dim=1).float()
 
 
 FAMILIES = {torch.optim.Adam: TorchAdam, torch.optim.AdamW: TorchAdam}

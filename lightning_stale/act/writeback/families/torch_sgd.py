@@ -74,7 +74,7 @@ class TorchSGD(Family):
         rows = [(-float(g["lr"]), g["momentum"], 1.0 - g["dampening"], -1.0 if g.get("maximize", False) else 1.0,
                  g["weight_decay"]) for g in self.optimizer.param_groups]
         scalars = torch.tensor(rows, dtype=torch.float32)[columns.tensors["group"]]
-        keys = noise_keys(write.key, columns.tensors["index"], columns.tensors["start"])
+        keys = noise_keys(write.key, columns.tensors["noise"])
         nesterov = bool(members[0].group.get("nesterov", False))
         SGD([columns.lists["w"], columns.lists["c"], grads, columns.lists["buf"]],
             [to_device(scalars, columns.lists["w"][0].device), keys], (write.weights, write.moments, nesterov),
