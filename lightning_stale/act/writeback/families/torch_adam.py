@@ -28,14 +28,15 @@ from lightning_stale.act.writeback.kernels import (
 
 
 def adam(w: Tensor, c: Tensor | None, g: Tensor, m: Tensor, v: Tensor, scalars: Tensor, keys: Tensor,
-         weights: str, moments: str) -> None:
+         weights: str, moments: str, gradient_as_is: bool) -> None:
     """One parameter's Adam/AdamW step in fp32, in place. ``scalars``: fp32 (1 - beta1, beta2, 1 - beta2, gradient
     sign, coupled weight decay, decoupled decay factor, step size (negative), eps), the step size and eps both
     multiplied by the square root of v's bias correction: one division per element where torch divides twice (the
-    same update to an ulp of it)."""
+    same update to an ulp of it). ``gradient_as_is``: no group maximizes or couples its weight decay (AdamW's
+    case), so the sign and coupled decay are left out of the loop."""
     one_minus_beta1, beta2, one_minus_beta2, sign, l2, decay, step_size, eps = scalars.unbind()
     target = weight_target(w, c)
-    g = g.float() * sign + target * l2
+    g = g.float() if gradient_as_is else g.float() * sign + target * l2
     mf = m.float()
     mf = mf + (g - mf) * one_minus_beta1
     vf = v.float() * beta2 + (g * g) * one_minus_beta2
@@ -77,16 +78,16 @@ class TorchAdam(Family):
         steps = columns.lists["step"]
         torch._foreach_add_(steps, 1)
         device = columns.lists["w"][0].device
-        scalars = to_device(self._scalars(columns.tensors["group"], steps), device)
+        scalars, gradient_as_is = self._scalars(columns.tensors["group"], steps)
         keys = noise_keys(write.key, columns.tensors["noise"])
         ADAM([columns.lists[name] for name in ("w", "c")] + [grads] + [columns.lists[name] for name in ("m", "v")],
-             [scalars, keys], (write.weights, write.moments), columns.compiled,
+             [to_device(scalars, device), keys], (write.weights, write.moments, gradient_as_is), columns.compiled,
              columns.flat)
 
-    def _scalars(self, group_index: Tensor, steps: list[Tensor]) -> Tensor:
+    def _scalars(self, group_index: Tensor, steps: list[Tensor]) -> tuple[Tensor, bool]:
         """:func:`adam`'s scalars per member (fp32), from its group's hyper-parameters and its step counter (already
         advanced): what depends on the group only in Python floats, what depends on the step in a dozen tensor ops
-        on the counters' device (no host read of a device counter), in fp64."""
+        on the counters' device (no host read of a device counter), in fp64; and its ``gradient_as_is`` flag."""
         step = torch.stack(steps).to(torch.float64).reshape(-1, 1)
         rows = []
         for group in self.optimizer.param_groups:
@@ -98,7 +99,8 @@ class TorchAdam(Family):
         table = torch.tensor(rows, dtype=torch.float64)[group_index].to(step.device)
         corrections = 1.0 - table[:, :2] ** step  # 1 - beta1^t, 1 - beta2^t
         scaled = table[:, 2:4] * corrections[:, 1:].sqrt()  # -lr and eps times sqrt(1 - beta2^t)
-        return torch.cat([table[:, 4:], scaled[:, :1] / corrections[:, :1], scaled[:, 1:]], dim=1).float()
+        scalars = torch.cat([table[:, 4:], scaled[:, :1] / corrections[:, :1], scaled[:, 1:]], dim=1).float()
+        return scalars, all(row[7] == 1.0 and row[8] == 0.0 for row in rows)
 
 
 FAMILIES = {torch.optim.Adam: TorchAdam, torch.optim.AdamW: TorchAdam}
