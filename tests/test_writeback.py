@@ -359,12 +359,17 @@ def test_compiled_calls_cover_every_tensor_once():
     assert [b - a for a, b in kernels._groups(8)] == [8] and kernels._groups(0) == ()
 
 
+EVERY_ROUNDING = (("compensated", "stochastic"), ("stochastic", "stochastic"), ("compensated", "nearest"))
+
+
 @pytest.mark.skipif(not _compat.compiler_available(), reason="torch.compile needs a C++ compiler")
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
-    lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
-], ids=["adamw", "sgd"])
-def test_the_compiled_pass_writes_the_eager_passes_bits(make, monkeypatch):
+@pytest.mark.parametrize(("make", "roundings"), [
+    (lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1), EVERY_ROUNDING),
+    (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01), EVERY_ROUNDING),
+    # Adam's gradient with its sign and coupled decay (AdamW's enters as it is): auto's write only
+    (lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.1, maximize=True), EVERY_ROUNDING[:1]),
+], ids=["adamw", "sgd", "adam-l2-maximize"])
+def test_the_compiled_pass_writes_the_eager_passes_bits(make, roundings, monkeypatch):
     """One torch.compile'd pass per bucket (groups of tensors) and the eager one-tensor-at-a-time pass give the same
     weights, moments and residuals, bit for bit, in every rounding (Inductor keeps the bf16 round trips that make a
     residual, and rounds square roots correctly)."""
@@ -380,7 +385,7 @@ def test_the_compiled_pass_writes_the_eager_passes_bits(make, monkeypatch):
         writeback.close()
         return [p.detach().clone() for p in net.parameters()] + checks.state_tensors(opt)
 
-    for rounding, moments in (("compensated", "stochastic"), ("stochastic", "stochastic"), ("compensated", "nearest")):
+    for rounding, moments in roundings:
         eager, compiled = run(False, rounding, moments), run(True, rounding, moments)
         assert len(eager) == len(compiled) and all(torch.equal(a, b) for a, b in zip(eager, compiled))
 
