@@ -63,7 +63,7 @@ class Columns:
 
     lists: dict[str, list[Any]] = field(default_factory=dict)
     tensors: dict[str, Tensor] = field(default_factory=dict)
-    flat: bool = True  # every tensor is taken as a flat view (all contiguous); else in its own shape, eagerly
+    flat: bool = True  # every tensor is taken flat (all contiguous: :func:`flat_alias`); else in its own shape, eagerly
     compiled: bool = False  # the bucket's pass runs torch.compile'd (flat, enough elements, a compiler)
     sharded: bool = False  # the members are DTensors (their gradients too): the passes take their local shards
 

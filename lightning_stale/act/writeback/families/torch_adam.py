@@ -89,18 +89,19 @@ class TorchAdam(Family):
         advanced): what depends on the group only in Python floats, what depends on the step in a dozen tensor ops
         on the counters' device (no host read of a device counter), in fp64; and its ``gradient_as_is`` flag."""
         step = torch.stack(steps).to(torch.float64).reshape(-1, 1)
-        rows = []
+        rows, gradient_as_is = [], True
         for group in self.optimizer.param_groups:
             lr, (beta1, beta2), wd = float(group["lr"]), group["betas"], group["weight_decay"]
             decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
-            rows.append((beta1, beta2, -lr, group["eps"], 1.0 - beta1, beta2, 1.0 - beta2,
-                         -1.0 if group.get("maximize", False) else 1.0, 0.0 if decoupled else wd,
+            sign, l2 = -1.0 if group.get("maximize", False) else 1.0, 0.0 if decoupled else wd
+            gradient_as_is &= sign == 1.0 and l2 == 0.0
+            rows.append((beta1, beta2, -lr, group["eps"], 1.0 - beta1, beta2, 1.0 - beta2, sign, l2,
                          1.0 - lr * wd if decoupled and wd != 0 else 1.0))
         table = torch.tensor(rows, dtype=torch.float64)[group_index].to(step.device)
         corrections = 1.0 - table[:, :2] ** step  # 1 - beta1^t, 1 - beta2^t
         scaled = table[:, 2:4] * corrections[:, 1:].sqrt()  # -lr and eps times sqrt(1 - beta2^t)
         scalars = torch.cat([table[:, 4:], scaled[:, :1] / corrections[:, :1], scaled[:, 1:]], dim=1).float()
-        return scalars, all(row[7] == 1.0 and row[8] == 0.0 for row in rows)
+        return scalars, gradient_as_is
 
 
 FAMILIES = {torch.optim.Adam: TorchAdam, torch.optim.AdamW: TorchAdam}
