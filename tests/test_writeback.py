@@ -413,6 +413,38 @@ def test_one_graph_per_call_length_whatever_the_ranks(monkeypatch):
     assert len(list(net.parameters())) == 18 and counters["stats"]["unique_graphs"] - before == 2
 
 
+@pytest.mark.skipif(not _compat.compiler_available(), reason="torch.compile needs a C++ compiler")
+def test_each_graph_compiles_on_stand_ins_whatever_the_first_tensors(monkeypatch):
+    """Inductor tunes a graph's loops to the sizes it first sees (on CPU a bf16 loop under 32 elements gets half the
+    vector width), and the graph then serves every size: so each graph (group length, flags, dtypes) is first called
+    on zero stand-ins of COMPILE_NUMEL elements, once, whatever the first parameters are; the results are the eager
+    pass's bits."""
+    from lightning_stale.act.writeback.families import torch_adam
+
+    kernel = kernels.MultiTensor(torch_adam.adam)
+    seen = []
+    compiled = torch.compile(kernel._loop, dynamic=True, fullgraph=True)
+    kernel._compiled = lambda columns, rows, flags: (seen.append(columns[0][0].numel()), compiled(columns, rows, flags))
+
+    def columns(sizes):
+        gen = torch.Generator().manual_seed(len(sizes))
+        tensors = [[torch.randn(n, generator=gen).bfloat16() for n in sizes] for _ in range(5)]
+        tensors[4] = [v.abs() for v in tensors[4]]
+        return tensors
+
+    scalars = torch.tensor([[0.1, 0.999, 0.001, 1.0, 0.0, 0.9999, -1e-3, 1e-8]] * 8)
+    index = torch.arange(8, dtype=torch.int32)
+    keys = kernels.noise_keys(7, kernels.noise_base(index, torch.zeros_like(index)))
+    flags = ("compensated", "stochastic", True)
+    tiny, large = columns([4] * 8), columns([3000] * 8)
+    eager = [[t.clone() for t in column] for column in tiny]
+    kernel(tiny, [scalars, keys], flags, compiled=True)
+    kernel(large, [scalars, keys], flags, compiled=True)
+    kernel(eager, [scalars, keys], flags, compiled=False)
+    assert seen == [kernels.COMPILE_NUMEL, 4, 3000]
+    assert all(torch.equal(a, b) for x, y in zip(tiny, eager) for a, b in zip(x, y))
+
+
 def test_refuses_optimizers_without_a_family():
     with pytest.raises(ValueError, match="Adagrad: not a supported optimizer family.*torch.optim.adamw.AdamW"):
         WeightWriteBack(torch.optim.Adagrad(checks.model().parameters()))

@@ -62,7 +62,8 @@ def on_grid(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
     # the largest finite value, read here: torch.compile folds it, where a module-level float becomes a graph input
     top = torch.finfo(dtype).max
     if dtype == torch.bfloat16:
-        bits = x.clamp(-top, top).view(torch.int32) + (noise >> (NOISE_BITS - 16))
+        # bf16 drops 16 bits, NOISE_BITS of noise: shift only where they differ (a shift by 0 is an op per element)
+        bits = x.clamp(-top, top).view(torch.int32) + (noise if NOISE_BITS == 16 else noise >> (NOISE_BITS - 16))
         return (bits & -65536).view(torch.float32)
     return stochastic_round_float(x, 10, -14, top, noise)
 

@@ -26,6 +26,10 @@ GROUP = 8  # tensors per compiled call; a shorter tail runs as groups of 4, 2 an
 # Elements per eager call: the eager ops materialize a dozen fp32 temporaries of what they are given, so flat
 # tensors go through in pieces of this size (compiled calls fuse everything into one loop and hold no temporaries).
 EAGER_CHUNK = 1 << 20
+# Elements of each tensor of a graph's first call: Inductor tunes the loops it generates to the sizes it compiles with
+# (on CPU a low-precision loop under 32 elements gets half the vector width; on GPU the block sizes), and the graph
+# then serves every size, so each graph compiles on stand-ins of this size, whatever the first parameters are.
+COMPILE_NUMEL = 4096
 _SECOND_STREAM = 0x6D6F6D73  # the key of a second, independent hash of the same counter
 
 
@@ -85,7 +89,7 @@ def write_moments(stored: Sequence[Tensor], values: Sequence[Tensor], rounding: 
     to nearest, or stochastically (the first with ``bits``' low half as noise, the second with its high half)."""
     for i, (target, value) in enumerate(zip(stored, values)):
         if rounding == "stochastic":
-            value = on_grid(value, target.dtype, (bits >> 16 * i) & NOISE_MASK)
+            value = on_grid(value, target.dtype, (bits >> 16 if i else bits) & NOISE_MASK)
         target.copy_(value)
 
 
@@ -131,8 +135,8 @@ class MultiTensor:
     ``columns``: equally long lists (flat, contiguous tensors, or None entries; tensors of their own shape where
     ``flat`` is False), ``rows``: per-tensor tables (one row each; the last are the noise keys of :func:`noise_keys`),
     ``flags``: constants (rounding names, dtypes) each combination of which compiles once. Compiled calls take
-    :data:`GROUP` tensors at a time with dynamic sizes, so one graph serves any sizes; each kernel has its own code
-    object, hence its own dynamo cache. Eagerly, flat tensors go through in pieces of :data:`EAGER_CHUNK` elements (a
+    :data:`GROUP` tensors at a time with dynamic sizes, so one graph serves any sizes (compiled on stand-ins of
+    :data:`COMPILE_NUMEL` elements); each kernel has its own code object, hence its own dynamo cache. Eagerly, flat tensors go through in pieces of :data:`EAGER_CHUNK` elements (a
     piece's noise counter starts where it starts: the same bits). Should compiling fail, the eager loop is used from
     then on (same bits)."""
 
@@ -141,6 +145,7 @@ class MultiTensor:
         code = _loop.__code__.replace(co_name=f"{one.__name__}_multi_tensor")
         self._loop = types.FunctionType(code, {**_loop.__globals__, "one": one}, code.co_name)
         self._compiled: Callable[..., None] | None = None
+        self._compiled_for: set[tuple[Any, ...]] = set()  # (group length, flags, column and table types) compiled
         self.failed = False
 
     def __call__(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...],
@@ -171,5 +176,17 @@ class MultiTensor:
         with _compat.multi_tensor_compile(emulate_casts=any(t.dtype == torch.float16 for t in columns[0])):
             groups = _groups(len(columns[0]))
             pieces = [row.split([stop - start for start, stop in groups]) for row in rows]  # one call per table
+            kinds = tuple(None if column[0] is None else (column[0].dtype, column[0].device) for column in columns)
             for g, (start, stop) in enumerate(groups):
-                self._compiled([column[start:stop] for column in columns], [piece[g] for piece in pieces], flags)
+                group = [column[start:stop] for column in columns]
+                if (stop - start, flags, kinds) not in self._compiled_for:
+                    self._compile(stop - start, kinds, [piece[g] for piece in pieces], flags)
+                self._compiled(group, [piece[g] for piece in pieces], flags)
+
+    def _compile(self, length: int, kinds: tuple[Any, ...], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
+        """The graph for ``length`` tensors of these ``kinds`` (dtype and device per column, or None) compiled on
+        zero stand-ins of :data:`COMPILE_NUMEL` elements each (what it computes on them is discarded)."""
+        stand_ins = [[None if kind is None else torch.zeros(COMPILE_NUMEL, dtype=kind[0], device=kind[1])
+                      for _ in range(length)] for kind in kinds]
+        self._compiled(stand_ins, [torch.zeros_like(row) for row in rows], flags)
+        self._compiled_for.add((length, flags, kinds))
