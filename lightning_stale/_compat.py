@@ -299,6 +299,33 @@ def _vectorized_bitcast(original: Callable[..., Any]) -> Callable[..., Any]:
     return to_dtype_bitcast
 
 
+class CapturingInductor:
+    """``torch.compile``'s Inductor backend that also keeps the graph it compiled last as a direct call: Inductor's
+    compiled function and a reader of its inputs from the compiled frame's arguments ``L`` (dynamo names each
+    input's source as a Python expression over them, as its own guards read them). Called directly, a graph skips
+    dynamo's frame evaluation, guards and size reads, most of a small call's cost; the caller vouches that the
+    arguments are what the guards would accept. ``last`` is None where the graph reads anything else (a global)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[Callable[..., Any], Callable[[dict[str, Any]], tuple]] | None = None
+
+    def __call__(self, gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs)
+        self.last = None
+        try:
+            names = []
+            for node in gm.graph.find_nodes(op="placeholder"):
+                name = node.meta["grapharg"].source.name
+                names.append(name() if callable(name) else name)
+        except (AttributeError, KeyError):  # pragma: no cover - dynamo keeps its sources elsewhere: dynamo's calls
+            return compiled
+        if all(name.startswith("L[") for name in names):
+            self.last = (compiled, eval(f"lambda L: ({''.join(f'{n}, ' for n in names)})", {}))  # noqa: S307
+        return compiled
+
+
 def _plain_call_size(original: Callable[[Any, int], int]) -> Callable[[Any, int], int]:
     """Dynamo's ``call_size`` (how a compiled frame reads each dynamic size before calling its graph) without its
     dynamo-disabling wrapper (two frame-callback swaps per size) where nothing can enter Python: a plain tensor

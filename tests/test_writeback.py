@@ -414,35 +414,42 @@ def test_one_graph_per_call_length_whatever_the_ranks(monkeypatch):
 
 
 @pytest.mark.skipif(not _compat.compiler_available(), reason="torch.compile needs a C++ compiler")
-def test_each_graph_compiles_on_stand_ins_whatever_the_first_tensors(monkeypatch):
-    """Inductor tunes a graph's loops to the sizes it first sees (on CPU a bf16 loop under 32 elements gets half the
-    vector width), and the graph then serves every size: so each graph (group length, flags, dtypes) is first called
-    on zero stand-ins of COMPILE_NUMEL elements, once, whatever the first parameters are; the results are the eager
-    pass's bits."""
+def test_graphs_compile_on_stand_ins_then_run_without_dynamo_where_its_guards_would_pass():
+    """Each graph (group length, flags, dtypes) compiles once, on zero stand-ins of COMPILE_NUMEL elements, whatever
+    the first parameters are (Inductor tunes a graph's loops to the sizes it compiles with, on CPU a bf16 loop under
+    32 elements gets half the vector width, and the graph serves every size); calls are then direct, skipping
+    dynamo, except where its guards would not pass (a tensor of one element, a column of mixed dtypes, a tensor that
+    needs a gradient), which go through dynamo. Every call writes the eager pass's bits."""
     from lightning_stale.act.writeback.families import torch_adam
 
     kernel = kernels.MultiTensor(torch_adam.adam)
-    seen = []
-    compiled = torch.compile(kernel._loop, dynamic=True, fullgraph=True)
-    kernel._compiled = lambda columns, rows, flags: (seen.append(columns[0][0].numel()), compiled(columns, rows, flags))
-
-    def columns(sizes):
-        gen = torch.Generator().manual_seed(len(sizes))
-        tensors = [[torch.randn(n, generator=gen).bfloat16() for n in sizes] for _ in range(5)]
-        tensors[4] = [v.abs() for v in tensors[4]]
-        return tensors
-
-    scalars = torch.tensor([[0.1, 0.999, 0.001, 1.0, 0.0, 0.9999, -1e-3, 1e-8]] * 8)
-    index = torch.arange(8, dtype=torch.int32)
-    keys = kernels.noise_keys(7, kernels.noise_base(index, torch.zeros_like(index)))
+    compiled = torch.compile(kernel._loop, dynamic=True, fullgraph=True, backend=kernel._capture)
+    through_dynamo = []
+    kernel._compiled = lambda columns, rows, flags: (through_dynamo.append([t.numel() for t in columns[0]]),
+                                                     compiled(columns, rows, flags))
+    index = torch.arange(2, dtype=torch.int32)  # calls of 2 tensors: small graphs, quick to compile
+    rows = [torch.tensor([[0.1, 0.999, 0.001, 1.0, 0.0, 0.9999, -1e-3, 1e-8]] * 2),
+            kernels.noise_keys(7, kernels.noise_base(index, torch.zeros_like(index)))]
     flags = ("compensated", "stochastic", True)
-    tiny, large = columns([4] * 8), columns([3000] * 8)
-    eager = [[t.clone() for t in column] for column in tiny]
-    kernel(tiny, [scalars, keys], flags, compiled=True)
-    kernel(large, [scalars, keys], flags, compiled=True)
-    kernel(eager, [scalars, keys], flags, compiled=False)
-    assert seen == [kernels.COMPILE_NUMEL, 4, 3000]
-    assert all(torch.equal(a, b) for x, y in zip(tiny, eager) for a, b in zip(x, y))
+
+    def matches_eager(sizes, grad_dtypes=(torch.bfloat16,) * 2, needs_grad=False):
+        gen = torch.Generator().manual_seed(len(through_dynamo))
+        columns = [[torch.randn(n, generator=gen).bfloat16() for n in sizes] for _ in range(5)]
+        columns[2] = [g.to(dtype) for g, dtype in zip(columns[2], grad_dtypes)]
+        columns[4] = [v.abs() for v in columns[4]]
+        columns[0][-1].requires_grad_(needs_grad)
+        eager = [[t.detach().clone() for t in column] for column in columns]
+        kernel(columns, rows, flags, compiled=True)
+        kernel(eager, rows, flags, compiled=False)
+        return all(torch.equal(a, b) for x, y in zip(columns, eager) for a, b in zip(x, y))
+
+    assert matches_eager([4, 4]) and matches_eager([3000, 5])
+    assert through_dynamo == [[kernels.COMPILE_NUMEL] * 2]  # the stand-ins' call only
+    assert matches_eager([300, 1]) and through_dynamo[1:] == [[300, 1]]
+    assert matches_eager([300, 300], (torch.bfloat16, torch.float32)) and len(through_dynamo) == 3
+    with torch.no_grad():
+        assert matches_eager([300, 300], needs_grad=True) and len(through_dynamo) == 4
+    assert matches_eager([300, 300]) and len(through_dynamo) == 4
 
 
 def test_refuses_optimizers_without_a_family():

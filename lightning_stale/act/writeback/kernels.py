@@ -135,8 +135,10 @@ class MultiTensor:
     ``columns``: equally long lists (flat, contiguous tensors, or None entries; tensors of their own shape where
     ``flat`` is False), ``rows``: per-tensor tables (one row each; the last are the noise keys of :func:`noise_keys`),
     ``flags``: constants (rounding names, dtypes) each combination of which compiles once. Compiled calls take
-    :data:`GROUP` tensors at a time with dynamic sizes, so one graph serves any sizes (compiled on stand-ins of
-    :data:`COMPILE_NUMEL` elements); each kernel has its own code object, hence its own dynamo cache. Eagerly, flat tensors go through in pieces of :data:`EAGER_CHUNK` elements (a
+    :data:`GROUP` tensors at a time with dynamic sizes, so one graph serves any sizes; each graph is compiled on
+    stand-ins of :data:`COMPILE_NUMEL` elements and then called directly (dynamo's per-call work, most of a small
+    call's cost, is done once: :meth:`_kind` checks what its guards would). Each kernel has its own code object,
+    hence its own dynamo cache. Eagerly, flat tensors go through in pieces of :data:`EAGER_CHUNK` elements (a
     piece's noise counter starts where it starts: the same bits). Should compiling fail, the eager loop is used from
     then on (same bits)."""
 
@@ -144,8 +146,11 @@ class MultiTensor:
         self.one = one
         code = _loop.__code__.replace(co_name=f"{one.__name__}_multi_tensor")
         self._loop = types.FunctionType(code, {**_loop.__globals__, "one": one}, code.co_name)
+        self._capture = _compat.CapturingInductor()
         self._compiled: Callable[..., None] | None = None
-        self._compiled_for: set[tuple[Any, ...]] = set()  # (group length, flags, column and table types) compiled
+        # (group length, flags, column kinds, table kinds) -> the graph's direct call (None: through dynamo only)
+        self._graphs: dict[tuple[Any, ...], tuple[Callable[..., Any], Callable[[dict[str, Any]], tuple]] | None] = {}
+        self._checked: dict[int, tuple[Sequence[Any], Any]] = {}  # column position -> (the list last checked, kind)
         self.failed = False
 
     def __call__(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...],
@@ -170,23 +175,58 @@ class MultiTensor:
                 self.one(*piece, *table[:-1], keys, *flags)
 
     def _run_compiled(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
+        """Every graph this call needs compiled first (so a failure to compile touches no tensor), then one call per
+        group: directly where every column is uniform (:meth:`_kind`) and the tables contiguous, else through
+        dynamo (its guards pick or compile the graph)."""
         if self._compiled is None:
-            self._compiled = torch.compile(self._loop, dynamic=True, fullgraph=True)
+            self._compiled = torch.compile(self._loop, dynamic=True, fullgraph=True, backend=self._capture)
         # fp16's nearest rounding is a cast pair, which Inductor keeps only when it emulates casts (bf16's is bit ops)
         with _compat.multi_tensor_compile(emulate_casts=any(t.dtype == torch.float16 for t in columns[0])):
             groups = _groups(len(columns[0]))
             pieces = [row.split([stop - start for start, stop in groups]) for row in rows]  # one call per table
+            checked = [self._kind(j, column) for j, column in enumerate(columns)]
+            direct = False not in checked and all(row.is_contiguous() for row in rows)
             kinds = tuple(None if column[0] is None else (column[0].dtype, column[0].device) for column in columns)
+            tables = tuple((row.dtype, row.device, row.shape[1:]) for row in rows)
+            keys = [(stop - start, flags, kinds, tables) for start, stop in groups]
+            for g, key in enumerate(keys):
+                if key not in self._graphs:
+                    self._graphs[key] = self._compile(key, [piece[g] for piece in pieces])
             for g, (start, stop) in enumerate(groups):
-                group = [column[start:stop] for column in columns]
-                if (stop - start, flags, kinds) not in self._compiled_for:
-                    self._compile(stop - start, kinds, [piece[g] for piece in pieces], flags)
-                self._compiled(group, [piece[g] for piece in pieces], flags)
+                group, table = [column[start:stop] for column in columns], [piece[g] for piece in pieces]
+                graph = self._graphs[keys[g]] if direct else None
+                if graph is None:
+                    self._compiled(group, table, flags)
+                else:
+                    call, read = graph
+                    call(*read({"columns": group, "rows": table, "flags": flags}))
 
-    def _compile(self, length: int, kinds: tuple[Any, ...], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
-        """The graph for ``length`` tensors of these ``kinds`` (dtype and device per column, or None) compiled on
-        zero stand-ins of :data:`COMPILE_NUMEL` elements each (what it computes on them is discarded)."""
+    def _compile(self, key: tuple[Any, ...], rows: Sequence[Tensor]) -> tuple[Callable[..., Any], Any] | None:
+        """The graph for ``key`` compiled on zero stand-ins of :data:`COMPILE_NUMEL` elements per tensor (what it
+        computes on them is discarded), and its direct call (None where dynamo reused a graph it had)."""
+        length, flags, kinds, _ = key
         stand_ins = [[None if kind is None else torch.zeros(COMPILE_NUMEL, dtype=kind[0], device=kind[1])
                       for _ in range(length)] for kind in kinds]
+        self._capture.last = None
         self._compiled(stand_ins, [torch.zeros_like(row) for row in rows], flags)
-        self._compiled_for.add((length, flags, kinds))
+        return self._capture.last
+
+    def _kind(self, position: int, column: Sequence[Any]) -> Any:
+        """What every entry of ``column`` is, where a graph compiled for its first entry can be called on all of them
+        without dynamo's guards: None (all None) or the dtype of plain tensors that need no gradient, of at least 2
+        elements each (sizes 0 and 1 get graphs of their own; the device is the first's, as a bucket's); False
+        otherwise. A list is
+        checked once while it is the last one seen at its position (a bucket's state columns are the same lists
+        step after step; its gradients are new each step)."""
+        last = self._checked.get(position)
+        if last is not None and last[0] is column:
+            return last[1]
+        first = column[0]
+        if first is None:
+            kind = None if all(t is None for t in column) else False
+        else:
+            dtype = first.dtype
+            plain = all(type(t) is Tensor and t.dtype == dtype and t.numel() > 1 and not t.requires_grad for t in column)
+            kind = dtype if plain else False
+        self._checked[position] = (column, kind)
+        return kind
