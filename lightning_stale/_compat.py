@@ -322,7 +322,7 @@ class CapturingInductor:
         except (AttributeError, KeyError):  # pragma: no cover - dynamo keeps its sources elsewhere: dynamo's calls
             return compiled
         if all(name.startswith("L[") for name in names):
-            self.last = (compiled, eval(f"lambda L: ({''.join(f'{n}, ' for n in names)})", {}))  # noqa: S307
+            self.last = (compiled, eval(f"lambda L: ({''.join(f'{n}, ' for n in names)})", {}))
         return compiled
 
 

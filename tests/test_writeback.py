@@ -420,6 +420,8 @@ def test_graphs_compile_on_stand_ins_then_run_without_dynamo_where_its_guards_wo
     32 elements gets half the vector width, and the graph serves every size); calls are then direct, skipping
     dynamo, except where its guards would not pass (a tensor of one element, a column of mixed dtypes, a tensor that
     needs a gradient), which go through dynamo. Every call writes the eager pass's bits."""
+    import weakref
+
     from lightning_stale.act.writeback.families import torch_adam
 
     kernel = kernels.MultiTensor(torch_adam.adam)
@@ -450,6 +452,11 @@ def test_graphs_compile_on_stand_ins_then_run_without_dynamo_where_its_guards_wo
     with torch.no_grad():
         assert matches_eager([300, 300], needs_grad=True) and len(through_dynamo) == 4
     assert matches_eager([300, 300]) and len(through_dynamo) == 4
+    columns = [[torch.rand(300).bfloat16() for _ in range(2)] for _ in range(5)]
+    kernel(columns, rows, flags, compiled=True)
+    gradient = weakref.ref(columns[2][0])
+    del columns
+    assert gradient() is None  # what the kernel remembers of the lists it checked keeps no tensor alive
 
 
 def test_refuses_optimizers_without_a_family():

@@ -11,6 +11,7 @@ compiled one is correctly rounded; torch's eager fp32 CPU sqrt is off by an ulp 
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
@@ -150,7 +151,9 @@ class MultiTensor:
         self._compiled: Callable[..., None] | None = None
         # (group length, flags, column kinds, table kinds) -> the graph's direct call (None: through dynamo only)
         self._graphs: dict[tuple[Any, ...], tuple[Callable[..., Any], Callable[[dict[str, Any]], tuple]] | None] = {}
-        self._checked: dict[int, tuple[Sequence[Any], Any]] = {}  # column position -> (the list last checked, kind)
+        # column position -> (id and length of the list last checked there, a weak reference to its first tensor,
+        # its kind): no reference that would keep a step's gradients alive
+        self._checked: dict[int, tuple[int, int, Any, Any]] = {}
         self.failed = False
 
     def __call__(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...],
@@ -215,18 +218,18 @@ class MultiTensor:
         """What every entry of ``column`` is, where a graph compiled for its first entry can be called on all of them
         without dynamo's guards: None (all None) or the dtype of plain tensors that need no gradient, of at least 2
         elements each (sizes 0 and 1 get graphs of their own; the device is the first's, as a bucket's); False
-        otherwise. A list is
-        checked once while it is the last one seen at its position (a bucket's state columns are the same lists
-        step after step; its gradients are new each step)."""
-        last = self._checked.get(position)
-        if last is not None and last[0] is column:
-            return last[1]
+        otherwise. A list is checked once while it is the last one seen at its position (a bucket's state columns
+        are the same lists step after step, with the same first tensor; its gradients are new each step)."""
         first = column[0]
+        last = self._checked.get(position)
+        if last is not None and last[:2] == (id(column), len(column)) and (last[2] is None if first is None
+                                                                           else last[2]() is first):
+            return last[3]
         if first is None:
             kind = None if all(t is None for t in column) else False
         else:
             dtype = first.dtype
             plain = all(type(t) is Tensor and t.dtype == dtype and t.numel() > 1 and not t.requires_grad for t in column)
             kind = dtype if plain else False
-        self._checked[position] = (column, kind)
+        self._checked[position] = (id(column), len(column), None if first is None else weakref.ref(first), kind)
         return kind
