@@ -326,21 +326,6 @@ class CapturingInductor:
         return compiled
 
 
-def _plain_call_size(original: Callable[[Any, int], int]) -> Callable[[Any, int], int]:
-    """Dynamo's ``call_size`` (how a compiled frame reads each dynamic size before calling its graph) without its
-    dynamo-disabling wrapper (two frame-callback swaps per size) where nothing can enter Python: a plain tensor
-    with no torch function mode active; ``original`` otherwise."""
-    import torch
-    from torch._C import _is_torch_function_mode_enabled
-
-    def call_size(x: Any, i: int) -> int:
-        if type(x) is torch.Tensor and not _is_torch_function_mode_enabled():
-            return x.size(i)
-        return original(x, i)
-
-    return call_size
-
-
 @contextmanager
 def multi_tensor_compile(emulate_casts: bool = False, recompile_limit: int = 64) -> Iterator[None]:
     """The settings under which the package's multi-tensor kernels compile and run (entered around their calls):
@@ -348,10 +333,9 @@ def multi_tensor_compile(emulate_casts: bool = False, recompile_limit: int = 64)
     round trip, and with it a compensated residual; it costs a third of the kernel's time), no duck shaping (tensors
     of equal sizes in one call do not make a graph that needs them equal), room for one graph per group length, dtype
     and variant (dynamo's ``recompile_limit``), vectorized same-width bit casts on CPU (the stochastic rounding's,
-    otherwise scalar and most of the kernel's time), and less work per call for each tensor handed over (shape guards
-    in C++, no size assertions in the wrapper, sizes read without a dynamo-disabling wrapper: about half of a call's
-    overhead). Private configuration of torch; where one is missing the kernels still compile and run, slower or more
-    often."""
+    otherwise scalar and most of the kernel's time), and no size and stride assertions in the generated wrapper (one
+    per tensor on every call; the callers check what they would). Private configuration of torch; where one is
+    missing the kernels still compile and run, slower or more often."""
     import torch._dynamo.config as dynamo_config
 
     undo: list[Callable[[], None]] = []
@@ -370,20 +354,13 @@ def multi_tensor_compile(emulate_casts: bool = False, recompile_limit: int = 64)
         pass
     set_attribute(dynamo_config, "recompile_limit",
                   max(recompile_limit, getattr(dynamo_config, "recompile_limit", recompile_limit)))
-    # shape guards in C++ where they would be a Python function of every tensor's sizes, run on each call
-    set_attribute(dynamo_config, "enable_cpp_symbolic_shape_guards", True)
     try:
         import torch._inductor.config as inductor_config
 
         set_attribute(inductor_config, "emulate_precision_casts", emulate_casts)
-        # no size and stride assertions in the generated wrapper: the guards already hold each call to them
         set_attribute(inductor_config, "size_asserts", False)
     except ImportError:  # pragma: no cover - torch without Inductor
         pass
-    import torch._dynamo.utils as dynamo_utils
-
-    if hasattr(dynamo_utils, "call_size"):
-        set_attribute(dynamo_utils, "call_size", _plain_call_size(dynamo_utils.call_size))
     try:
         from torch._inductor.codegen import cpp
 

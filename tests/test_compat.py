@@ -60,38 +60,14 @@ def test_torchao_classes_and_their_fallback(monkeypatch):
 
 
 def test_multi_tensor_compile_sets_and_restores_its_settings():
-    """Inside: shape guards in C++, no size assertions, and dynamo's ``call_size`` without its dynamo-disabling wrapper
-    for plain tensors (the original for a tensor subclass and under a torch function mode, where Python runs);
-    outside, everything as it was (also after an error inside)."""
-    import torch._dynamo.config as dynamo_config
-    import torch._dynamo.utils as dynamo_utils
+    """Inside: no size assertions in Inductor's wrappers, casts emulated where asked, no duck shaping; outside,
+    everything as it was (also after an error inside)."""
     import torch._inductor.config as inductor_config
-    from torch.overrides import TorchFunctionMode
+    import torch.fx.experimental._config as fx_config
 
-    before = (dynamo_utils.call_size, dynamo_config.enable_cpp_symbolic_shape_guards, inductor_config.size_asserts)
-    calls = []
-
-    def original(x, i):
-        calls.append(type(x))
-        return x.size(i)
-
-    class Marked(torch.Tensor):
-        pass
-
-    class Watching(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    plain, marked = torch.zeros(3, 5), torch.zeros(3, 5).as_subclass(Marked)
-    with pytest.raises(RuntimeError, match="inside"), _compat.multi_tensor_compile():
-        assert dynamo_config.enable_cpp_symbolic_shape_guards and not inductor_config.size_asserts
-        patched = dynamo_utils.call_size
-        assert patched is not before[0] and patched(plain, 1) == 5
+    before = (inductor_config.size_asserts, inductor_config.emulate_precision_casts, fx_config.use_duck_shape)
+    with pytest.raises(RuntimeError, match="inside"), _compat.multi_tensor_compile(emulate_casts=True):
+        assert not inductor_config.size_asserts and inductor_config.emulate_precision_casts
+        assert not fx_config.use_duck_shape
         raise RuntimeError("inside")
-    assert (dynamo_utils.call_size, dynamo_config.enable_cpp_symbolic_shape_guards,
-            inductor_config.size_asserts) == before
-    wrapped = _compat._plain_call_size(original)
-    assert wrapped(plain, 0) == 3 and calls == []
-    assert wrapped(marked, 1) == 5 and calls == [Marked]
-    with Watching():
-        assert wrapped(plain, 0) == 3 and calls == [Marked, torch.Tensor]
+    assert (inductor_config.size_asserts, inductor_config.emulate_precision_casts, fx_config.use_duck_shape) == before

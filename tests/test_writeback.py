@@ -419,7 +419,8 @@ def test_graphs_compile_on_stand_ins_then_run_without_dynamo_where_its_guards_wo
     the first parameters are (Inductor tunes a graph's loops to the sizes it compiles with, on CPU a bf16 loop under
     32 elements gets half the vector width, and the graph serves every size); calls are then direct, skipping
     dynamo, except where its guards would not pass (a tensor of one element, a column of mixed dtypes, a tensor that
-    needs a gradient), which go through dynamo. Every call writes the eager pass's bits."""
+    needs a gradient, tensors of one parameter with different sizes), which go through dynamo. Every call writes the
+    eager pass's bits."""
     import weakref
 
     from lightning_stale.act.writeback.families import torch_adam
@@ -457,6 +458,11 @@ def test_graphs_compile_on_stand_ins_then_run_without_dynamo_where_its_guards_wo
     gradient = weakref.ref(columns[2][0])
     del columns
     assert gradient() is None  # what the kernel remembers of the lists it checked keeps no tensor alive
+    columns = [[torch.rand(300).bfloat16() for _ in range(2)] for _ in range(5)]
+    columns[3][1] = torch.rand(200).bfloat16()  # a moment of another size: never handed to a graph directly
+    with pytest.raises(RuntimeError, match="size"):
+        kernel(columns, rows, flags, compiled=True)
+    assert len(through_dynamo) == 5
 
 
 def test_refuses_optimizers_without_a_family():

@@ -179,8 +179,10 @@ class MultiTensor:
 
     def _run_compiled(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
         """Every graph this call needs compiled first (so a failure to compile touches no tensor), then one call per
-        group: directly where every column is uniform (:meth:`_kind`) and the tables contiguous, else through
-        dynamo (its guards pick or compile the graph)."""
+        group: directly where the columns are what the graph's guards accept (:meth:`_kind`: one dtype per column,
+        plain tensors, the same numels in every column, contiguous tables) and the group has no tensor of fewer than 2
+        elements (sizes 0 and 1 get graphs of their own), else through dynamo (its guards pick or compile the
+        graph)."""
         if self._compiled is None:
             self._compiled = torch.compile(self._loop, dynamic=True, fullgraph=True, backend=self._capture)
         # fp16's nearest rounding is a cast pair, which Inductor keeps only when it emulates casts (bf16's is bit ops)
@@ -188,7 +190,9 @@ class MultiTensor:
             groups = _groups(len(columns[0]))
             pieces = [row.split([stop - start for start, stop in groups]) for row in rows]  # one call per table
             checked = [self._kind(j, column) for j, column in enumerate(columns)]
-            direct = False not in checked and all(row.is_contiguous() for row in rows)
+            sizes = [kind[1] for kind in checked if kind]  # each tensor column's numels
+            direct = (False not in checked and all(s == sizes[0] for s in sizes)
+                      and all(row.is_contiguous() for row in rows))
             kinds = tuple(None if column[0] is None else (column[0].dtype, column[0].device) for column in columns)
             tables = tuple((row.dtype, row.device, row.shape[1:]) for row in rows)
             keys = [(stop - start, flags, kinds, tables) for start, stop in groups]
@@ -197,7 +201,7 @@ class MultiTensor:
                     self._graphs[key] = self._compile(key, [piece[g] for piece in pieces])
             for g, (start, stop) in enumerate(groups):
                 group, table = [column[start:stop] for column in columns], [piece[g] for piece in pieces]
-                graph = self._graphs[keys[g]] if direct else None
+                graph = self._graphs[keys[g]] if direct and min(sizes[0][start:stop]) > 1 else None
                 if graph is None:
                     self._compiled(group, table, flags)
                 else:
@@ -215,11 +219,11 @@ class MultiTensor:
         return self._capture.last
 
     def _kind(self, position: int, column: Sequence[Any]) -> Any:
-        """What every entry of ``column`` is, where a graph compiled for its first entry can be called on all of them
-        without dynamo's guards: None (all None) or the dtype of plain tensors that need no gradient, of at least 2
-        elements each (sizes 0 and 1 get graphs of their own; the device is the first's, as a bucket's); False
-        otherwise. A list is checked once while it is the last one seen at its position (a bucket's state columns
-        are the same lists step after step, with the same first tensor; its gradients are new each step)."""
+        """What every entry of ``column`` is, as far as a graph compiled for its first entry could be called on all of
+        them without dynamo's guards: None (all None), (dtype, numels) for plain tensors of one dtype that need no
+        gradient (the device is the first's, as a bucket's), False otherwise. A list is checked once while it is the
+        last one seen at its position (a bucket's state columns are the same lists step after step, with the same
+        first tensor; its gradients are new each step)."""
         first = column[0]
         last = self._checked.get(position)
         if last is not None and last[:2] == (id(column), len(column)) and (last[2] is None if first is None
@@ -229,7 +233,7 @@ class MultiTensor:
             kind = None if all(t is None for t in column) else False
         else:
             dtype = first.dtype
-            plain = all(type(t) is Tensor and t.dtype == dtype and t.numel() > 1 and not t.requires_grad for t in column)
-            kind = dtype if plain else False
+            plain = all(type(t) is Tensor and t.dtype == dtype and not t.requires_grad for t in column)
+            kind = (dtype, tuple(t.numel() for t in column)) if plain else False
         self._checked[position] = (id(column), len(column), None if first is None else weakref.ref(first), kind)
         return kind
