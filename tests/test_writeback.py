@@ -417,10 +417,10 @@ def test_one_graph_per_call_length_whatever_the_ranks(monkeypatch):
 def test_graphs_compile_on_stand_ins_then_run_without_dynamo_where_its_guards_would_pass():
     """Each graph (group length, flags, dtypes) compiles once, on zero stand-ins of COMPILE_NUMEL elements, whatever
     the first parameters are (Inductor tunes a graph's loops to the sizes it compiles with, on CPU a bf16 loop under
-    32 elements gets half the vector width, and the graph serves every size); calls are then direct, skipping
-    dynamo, except where its guards would not pass (a tensor of one element, a column of mixed dtypes, a tensor that
-    needs a gradient, tensors of one parameter with different sizes), which go through dynamo. Every call writes the
-    eager pass's bits."""
+    32 elements gets half the vector width, and the graph serves every size; a group with a tensor of 0 or 1
+    elements gets a graph of its own, as dynamo specializes those sizes); calls are then direct, skipping dynamo,
+    except where its guards would not pass (a column of mixed dtypes, a tensor that needs a gradient, tensors of one
+    parameter with different sizes), which go through dynamo. Every call writes the eager pass's bits."""
     import weakref
 
     from lightning_stale.act.writeback.families import torch_adam
@@ -448,7 +448,9 @@ def test_graphs_compile_on_stand_ins_then_run_without_dynamo_where_its_guards_wo
 
     assert matches_eager([4, 4]) and matches_eager([3000, 5])
     assert through_dynamo == [[kernels.COMPILE_NUMEL] * 2]  # the stand-ins' call only
-    assert matches_eager([300, 1]) and through_dynamo[1:] == [[300, 1]]
+    # a tensor of one element: a graph of its own, compiled on stand-ins of that size too, then called directly
+    assert matches_eager([300, 1]) and matches_eager([20, 1])
+    assert through_dynamo[1:] == [[kernels.COMPILE_NUMEL, 1]]
     assert matches_eager([300, 300], (torch.bfloat16, torch.float32)) and len(through_dynamo) == 3
     with torch.no_grad():
         assert matches_eager([300, 300], needs_grad=True) and len(through_dynamo) == 4

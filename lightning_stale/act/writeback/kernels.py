@@ -118,6 +118,12 @@ def _loop(columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple
         one(*[column[i] for column in columns], *[row[i] for row in rows], *flags)  # noqa: F821 - a global of its copy
 
 
+def _small(numels: Sequence[int]) -> tuple[int, ...] | None:
+    """A group's part of its graph's key: None where every tensor has at least 2 elements, else each one's numel
+    capped at 2 (dynamo specializes sizes 0 and 1, so such a group needs a graph of its own)."""
+    return None if min(numels) > 1 else tuple(min(n, 2) for n in numels)
+
+
 @cache
 def _groups(count: int) -> tuple[tuple[int, int], ...]:
     """(start, stop) of the compiled calls over ``count`` tensors: groups of GROUP, then halving lengths."""
@@ -180,9 +186,8 @@ class MultiTensor:
     def _run_compiled(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
         """Every graph this call needs compiled first (so a failure to compile touches no tensor), then one call per
         group: directly where the columns are what the graph's guards accept (:meth:`_kind`: one dtype per column,
-        plain tensors, the same numels in every column, contiguous tables) and the group has no tensor of fewer than 2
-        elements (sizes 0 and 1 get graphs of their own), else through dynamo (its guards pick or compile the
-        graph)."""
+        plain tensors, the same numels in every column, contiguous tables), else through dynamo (its guards pick or
+        compile the graph). A group with tensors of 0 or 1 elements has a graph of its own (:func:`_small`)."""
         if self._compiled is None:
             self._compiled = torch.compile(self._loop, dynamic=True, fullgraph=True, backend=self._capture)
         # fp16's nearest rounding is a cast pair, which Inductor keeps only when it emulates casts (bf16's is bit ops)
@@ -193,15 +198,16 @@ class MultiTensor:
             sizes = [kind[1] for kind in checked if kind]  # each tensor column's numels
             direct = (False not in checked and all(s == sizes[0] for s in sizes)
                       and all(row.is_contiguous() for row in rows))
+            numels = sizes[0] if direct else tuple(t.numel() for t in columns[0])
             kinds = tuple(None if column[0] is None else (column[0].dtype, column[0].device) for column in columns)
             tables = tuple((row.dtype, row.device, row.shape[1:]) for row in rows)
-            keys = [(stop - start, flags, kinds, tables) for start, stop in groups]
+            keys = [(stop - start, flags, kinds, tables, _small(numels[start:stop])) for start, stop in groups]
             for g, key in enumerate(keys):
                 if key not in self._graphs:
                     self._graphs[key] = self._compile(key, [piece[g] for piece in pieces])
             for g, (start, stop) in enumerate(groups):
                 group, table = [column[start:stop] for column in columns], [piece[g] for piece in pieces]
-                graph = self._graphs[keys[g]] if direct and min(sizes[0][start:stop]) > 1 else None
+                graph = self._graphs[keys[g]] if direct else None
                 if graph is None:
                     self._compiled(group, table, flags)
                 else:
@@ -209,11 +215,13 @@ class MultiTensor:
                     call(*read({"columns": group, "rows": table, "flags": flags}))
 
     def _compile(self, key: tuple[Any, ...], rows: Sequence[Tensor]) -> tuple[Callable[..., Any], Any] | None:
-        """The graph for ``key`` compiled on zero stand-ins of :data:`COMPILE_NUMEL` elements per tensor (what it
-        computes on them is discarded), and its direct call (None where dynamo reused a graph it had)."""
-        length, flags, kinds, _ = key
-        stand_ins = [[None if kind is None else torch.zeros(COMPILE_NUMEL, dtype=kind[0], device=kind[1])
-                      for _ in range(length)] for kind in kinds]
+        """The graph for ``key`` compiled on zero stand-ins (what it computes on them is discarded): of
+        :data:`COMPILE_NUMEL` elements each, or of the 0 or 1 elements of the group's tensors that have so few (dynamo
+        gives those sizes graphs of their own); and its direct call (None where dynamo reused a graph it had)."""
+        length, flags, kinds, _, small = key
+        numels = [COMPILE_NUMEL] * length if small is None else [COMPILE_NUMEL if n > 1 else n for n in small]
+        stand_ins = [[None if kind is None else torch.zeros(n, dtype=kind[0], device=kind[1]) for n in numels]
+                     for kind in kinds]
         self._capture.last = None
         self._compiled(stand_ins, [torch.zeros_like(row) for row in rows], flags)
         return self._capture.last
