@@ -155,8 +155,9 @@ class MultiTensor:
         self._loop = types.FunctionType(code, {**_loop.__globals__, "one": one}, code.co_name)
         self._capture = _compat.CapturingInductor()
         self._compiled: Callable[..., None] | None = None
-        # (group length, flags, column kinds, table kinds) -> the graph's direct call (None: through dynamo only)
-        self._graphs: dict[tuple[Any, ...], tuple[Callable[..., Any], Callable[[dict[str, Any]], tuple]] | None] = {}
+        # (flags, column kinds, table kinds) -> (group length, :func:`_small`) -> the graph's direct call (None:
+        # through dynamo only)
+        self._graphs: dict[tuple[Any, ...], dict[tuple[Any, ...], tuple[Callable[..., Any], Any] | None]] = {}
         # column position -> (id and length of the list last checked there, a weak reference to its first tensor,
         # its kind): no reference that would keep a step's gradients alive
         self._checked: dict[int, tuple[int, int, Any, Any]] = {}
@@ -190,35 +191,39 @@ class MultiTensor:
         compile the graph). A group with tensors of 0 or 1 elements has a graph of its own (:func:`_small`)."""
         if self._compiled is None:
             self._compiled = torch.compile(self._loop, dynamic=True, fullgraph=True, backend=self._capture)
+        checked = [self._kind(j, column) for j, column in enumerate(columns)]
+        sizes = [kind[1] for kind in checked if kind]  # each tensor column's numels
+        direct = False not in checked and all(s == sizes[0] for s in sizes) and all(r.is_contiguous() for r in rows)
+        weights = checked[0][0] if checked[0] else None  # the weights' one dtype, if they have one
+        fp16 = weights == torch.float16 if weights is not None else any(t.dtype == torch.float16 for t in columns[0])
         # fp16's nearest rounding is a cast pair, which Inductor keeps only when it emulates casts (bf16's is bit ops)
-        with _compat.multi_tensor_compile(emulate_casts=any(t.dtype == torch.float16 for t in columns[0])):
+        with _compat.multi_tensor_compile(emulate_casts=fp16):
             groups = _groups(len(columns[0]))
             pieces = [row.split([stop - start for start, stop in groups]) for row in rows]  # one call per table
-            checked = [self._kind(j, column) for j, column in enumerate(columns)]
-            sizes = [kind[1] for kind in checked if kind]  # each tensor column's numels
-            direct = (False not in checked and all(s == sizes[0] for s in sizes)
-                      and all(row.is_contiguous() for row in rows))
             numels = sizes[0] if direct else tuple(t.numel() for t in columns[0])
             kinds = tuple(None if column[0] is None else (column[0].dtype, column[0].device) for column in columns)
             tables = tuple((row.dtype, row.device, row.shape[1:]) for row in rows)
-            keys = [(stop - start, flags, kinds, tables, _small(numels[start:stop])) for start, stop in groups]
-            for g, key in enumerate(keys):
-                if key not in self._graphs:
-                    self._graphs[key] = self._compile(key, [piece[g] for piece in pieces])
+            graphs = self._graphs.setdefault((flags, kinds, tables), {})
+            shapes = [(stop - start, _small(numels[start:stop])) for start, stop in groups]
+            for g, shape in enumerate(shapes):
+                if shape not in graphs:
+                    graphs[shape] = self._compile(shape, kinds, [piece[g] for piece in pieces], flags)
             for g, (start, stop) in enumerate(groups):
                 group, table = [column[start:stop] for column in columns], [piece[g] for piece in pieces]
-                graph = self._graphs[keys[g]] if direct else None
+                graph = graphs[shapes[g]] if direct else None
                 if graph is None:
                     self._compiled(group, table, flags)
                 else:
                     call, read = graph
                     call(*read({"columns": group, "rows": table, "flags": flags}))
 
-    def _compile(self, key: tuple[Any, ...], rows: Sequence[Tensor]) -> tuple[Callable[..., Any], Any] | None:
-        """The graph for ``key`` compiled on zero stand-ins (what it computes on them is discarded): of
-        :data:`COMPILE_NUMEL` elements each, or of the 0 or 1 elements of the group's tensors that have so few (dynamo
-        gives those sizes graphs of their own); and its direct call (None where dynamo reused a graph it had)."""
-        length, flags, kinds, _, small = key
+    def _compile(self, shape: tuple[int, tuple[int, ...] | None], kinds: tuple[Any, ...], rows: Sequence[Tensor],
+                 flags: tuple[Any, ...]) -> tuple[Callable[..., Any], Any] | None:
+        """The graph for a group of ``shape`` (its length and :func:`_small`) and column ``kinds`` compiled on zero
+        stand-ins (what it computes on them is discarded): of :data:`COMPILE_NUMEL` elements each, or of the 0 or 1
+        elements of the group's tensors that have so few (dynamo gives those sizes graphs of their own); and its direct
+        call (None where dynamo reused a graph it had)."""
+        length, small = shape
         numels = [COMPILE_NUMEL] * length if small is None else [COMPILE_NUMEL if n > 1 else n for n in small]
         stand_ins = [[None if kind is None else torch.zeros(n, dtype=kind[0], device=kind[1]) for n in numels]
                      for kind in kinds]
