@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch._inductor.config
 
+from lightning_stale import _compat
 from lightning_stale.formats import get_format
 from lightning_stale.optim import QuantizedAdamW
 
@@ -148,7 +149,7 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="optimizer_step_inductor_")
     torch._inductor.config.fx_graph_cache = False
     # One compiled QuantizedAdamW step per format pair, rounding and stall counting: more than dynamo's default 8.
-    torch._dynamo.config.recompile_limit = 64
+    setattr(torch._dynamo.config, _compat.recompile_limit_name(torch._dynamo.config) or "recompile_limit", 64)
 
     factories = {
         name: factory

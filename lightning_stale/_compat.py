@@ -286,9 +286,11 @@ def _vectorized_bitcast(original: Callable[..., Any]) -> Callable[..., Any]:
     from torch._inductor.virtualized import V
 
     def to_dtype_bitcast(x: Any, dtype: Any, src_dtype: Any) -> Any:
-        kernel = V.kernel
-        vectors = kernel._get_num_vectors(dtype)
-        if dtype.itemsize != src_dtype.itemsize or vectors != kernel._get_num_vectors(src_dtype):
+        try:
+            vectors, source_vectors = (V.kernel._get_num_vectors(d) for d in (dtype, src_dtype))
+        except AttributeError:  # a codegen without the vector count: torch's own cast
+            return original(x, dtype, src_dtype)
+        if dtype.itemsize != src_dtype.itemsize or vectors != source_vectors:
             return original(x, dtype, src_dtype)
         target = DTYPE_TO_CPP[dtype]
         if vectors == 1:
@@ -326,52 +328,66 @@ class CapturingInductor:
         return compiled
 
 
+def _raw_attribute(owner: Any, name: str) -> tuple[Any, bool]:
+    """``owner.name`` as stored (a class's raw attribute: a staticmethod stays one), and whether ``owner`` holds it
+    itself (a class may inherit it: then restoring means deleting the override)."""
+    if not isinstance(owner, type):
+        return getattr(owner, name), True
+    for klass in owner.__mro__:
+        if name in vars(klass):
+            return vars(klass)[name], klass is owner
+    raise AttributeError(name)
+
+
+def recompile_limit_name(dynamo_config: Any) -> str | None:
+    """The name of dynamo's per-code-object limit of graphs in ``dynamo_config``: ``recompile_limit`` (torch 2.7+),
+    ``cache_size_limit`` before; None where neither exists."""
+    return next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(dynamo_config, n)), None)
+
+
 @contextmanager
 def multi_tensor_compile(emulate_casts: bool = False, recompile_limit: int = 64) -> Iterator[None]:
     """The settings under which the package's multi-tensor kernels compile and run (entered around their calls):
     with ``emulate_casts``, casts to bf16/fp16 kept as written (Inductor otherwise drops an fp32 -> fp16 -> fp32
-    round trip, and with it a compensated residual; it costs a third of the kernel's time), no duck shaping (tensors
-    of equal sizes in one call do not make a graph that needs them equal), room for one graph per group length, dtype
-    and variant (dynamo's ``recompile_limit``), vectorized same-width bit casts on CPU (the stochastic rounding's,
-    otherwise scalar and most of the kernel's time), and no size and stride assertions in the generated wrapper (one
-    per tensor on every call; the callers check what they would). Private configuration of torch; where one is
-    missing the kernels still compile and run, slower or more often."""
-    import torch._dynamo.config as dynamo_config
-
+    round trip, and with it a compensated residual; it costs a third of the kernel's time), room for one graph per
+    group length, dtype and variant (dynamo's ``recompile_limit``, ``cache_size_limit`` before torch 2.7), vectorized
+    same-width bit casts on CPU (the stochastic rounding's, otherwise scalar and most of the kernel's time), and no
+    size and stride assertions in the generated wrapper (one per tensor on every call; the callers check what they
+    would). Private configuration of torch: where one is missing the kernels compile and run with the same bits,
+    slower or more often; every setting is restored on leaving, also after an error."""
     undo: list[Callable[[], None]] = []
 
     def set_attribute(owner: Any, name: str, value: Any) -> None:
-        if hasattr(owner, name):  # a class keeps its raw attribute (a staticmethod stays one when restored)
-            previous = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
-            setattr(owner, name, value)
-            undo.append(lambda: setattr(owner, name, previous))
+        try:
+            previous, own = _raw_attribute(owner, name)
+        except AttributeError:  # not on this torch: left as it is
+            return
+        setattr(owner, name, value)
+        undo.append((lambda: setattr(owner, name, previous)) if own else (lambda: delattr(owner, name)))
 
     try:
-        import torch.fx.experimental._config as fx_config
+        import torch._dynamo.config as dynamo_config
 
-        set_attribute(fx_config, "use_duck_shape", False)
-    except ImportError:  # pragma: no cover - moved config
-        pass
-    set_attribute(dynamo_config, "recompile_limit",
-                  max(recompile_limit, getattr(dynamo_config, "recompile_limit", recompile_limit)))
-    try:
-        import torch._inductor.config as inductor_config
+        limit = recompile_limit_name(dynamo_config)
+        if limit is not None:
+            set_attribute(dynamo_config, limit, max(recompile_limit, getattr(dynamo_config, limit)))
+        try:
+            import torch._inductor.config as inductor_config
 
-        set_attribute(inductor_config, "emulate_precision_casts", emulate_casts)
-        set_attribute(inductor_config, "size_asserts", False)
-    except ImportError:  # pragma: no cover - torch without Inductor
-        pass
-    try:
-        from torch._inductor.codegen import cpp
+            set_attribute(inductor_config, "emulate_precision_casts", emulate_casts)
+            set_attribute(inductor_config, "size_asserts", False)
+        except ImportError:  # pragma: no cover - torch without Inductor
+            pass
+        try:
+            from torch._inductor.codegen import cpp
 
-        overrides = cpp.CppVecOverrides
-        if not getattr(overrides.to_dtype_bitcast, "_lightning_stale", False):
-            patched = _vectorized_bitcast(overrides.to_dtype_bitcast)
-            patched._lightning_stale = True  # type: ignore[attr-defined]
-            set_attribute(overrides, "to_dtype_bitcast", staticmethod(patched))
-    except (ImportError, AttributeError):  # pragma: no cover - moved codegen: scalar bit casts, same bits
-        pass
-    try:
+            overrides = cpp.CppVecOverrides
+            if not getattr(overrides.to_dtype_bitcast, "_lightning_stale", False):
+                patched = _vectorized_bitcast(overrides.to_dtype_bitcast)
+                patched._lightning_stale = True  # type: ignore[attr-defined]
+                set_attribute(overrides, "to_dtype_bitcast", staticmethod(patched))
+        except (ImportError, AttributeError):  # pragma: no cover - moved codegen: scalar bit casts, same bits
+            pass
         yield
     finally:
         for restore in reversed(undo):

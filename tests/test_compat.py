@@ -57,17 +57,3 @@ def test_torchao_classes_and_their_fallback(monkeypatch):
     monkeypatch.delattr(adam, "_AdamBase")
     fallback = _compat.torchao_optimizer_classes()
     assert ao.AdamW8bit in fallback and ao.AdamWFp8 in fallback and ao.AdamW4bit in fallback
-
-
-def test_multi_tensor_compile_sets_and_restores_its_settings():
-    """Inside: no size assertions in Inductor's wrappers, casts emulated where asked, no duck shaping; outside,
-    everything as it was (also after an error inside)."""
-    import torch._inductor.config as inductor_config
-    import torch.fx.experimental._config as fx_config
-
-    before = (inductor_config.size_asserts, inductor_config.emulate_precision_casts, fx_config.use_duck_shape)
-    with pytest.raises(RuntimeError, match="inside"), _compat.multi_tensor_compile(emulate_casts=True):
-        assert not inductor_config.size_asserts and inductor_config.emulate_precision_casts
-        assert not fx_config.use_duck_shape
-        raise RuntimeError("inside")
-    assert (inductor_config.size_asserts, inductor_config.emulate_precision_casts, fx_config.use_duck_shape) == before

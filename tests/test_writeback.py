@@ -447,7 +447,7 @@ def test_graphs_compile_on_stand_ins_then_run_without_dynamo_where_its_guards_wo
         return all(torch.equal(a, b) for x, y in zip(columns, eager) for a, b in zip(x, y))
 
     assert matches_eager([4, 4]) and matches_eager([3000, 5])
-    assert through_dynamo == [[kernels.COMPILE_NUMEL] * 2]  # the stand-ins' call only
+    assert through_dynamo == [[kernels.COMPILE_NUMEL, kernels.COMPILE_NUMEL + 1]]  # the stand-ins' call only
     # a tensor of one element: a graph of its own, compiled on stand-ins of that size too, then called directly
     assert matches_eager([300, 1]) and matches_eager([20, 1])
     assert through_dynamo[1:] == [[kernels.COMPILE_NUMEL, 1]]

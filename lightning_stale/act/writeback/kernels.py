@@ -29,8 +29,13 @@ GROUP = 8  # tensors per compiled call; a shorter tail runs as groups of 4, 2 an
 EAGER_CHUNK = 1 << 20
 # Elements of each tensor of a graph's first call: Inductor tunes the loops it generates to the sizes it compiles with
 # (on CPU a low-precision loop under 32 elements gets half the vector width; on GPU the block sizes), and the graph
-# then serves every size, so each graph compiles on stand-ins of this size, whatever the first parameters are.
+# then serves every size, so each graph compiles on stand-ins of about this size, whatever the first parameters are.
+# The i-th tensor's stand-ins have COMPILE_NUMEL + i elements: tensors of different sizes then get sizes of their own
+# in the graph even where duck shaping (equal sizes made one) cannot be switched off.
 COMPILE_NUMEL = 4096
+# Tensors of at least this many elements never go to a graph directly: the code generated for a graph may index
+# them with 32-bit integers, which dynamo's guards protect (it recompiles for such sizes) and a direct call skips.
+INDEX_LIMIT = 1 << 31
 _SECOND_STREAM = 0x6D6F6D73  # the key of a second, independent hash of the same counter
 
 
@@ -143,8 +148,9 @@ class MultiTensor:
     ``flat`` is False), ``rows``: per-tensor tables (one row each; the last are the noise keys of :func:`noise_keys`),
     ``flags``: constants (rounding names, dtypes) each combination of which compiles once. Compiled calls take
     :data:`GROUP` tensors at a time with dynamic sizes, so one graph serves any sizes; each graph is compiled on
-    stand-ins of :data:`COMPILE_NUMEL` elements and then called directly (dynamo's per-call work, most of a small
-    call's cost, is done once: :meth:`_kind` checks what its guards would). Each kernel has its own code object,
+    stand-ins of about :data:`COMPILE_NUMEL` elements and then called directly (dynamo's per-call work, most of a
+    small call's cost, is done once), where the call passes what dynamo's guards would check (:meth:`_direct`), else
+    through dynamo. Each kernel has its own code object,
     hence its own dynamo cache. Eagerly, flat tensors go through in pieces of :data:`EAGER_CHUNK` elements (a
     piece's noise counter starts where it starts: the same bits). Should compiling fail, the eager loop is used from
     then on (same bits)."""
@@ -186,21 +192,20 @@ class MultiTensor:
 
     def _run_compiled(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
         """Every graph this call needs compiled first (so a failure to compile touches no tensor), then one call per
-        group: directly where the columns are what the graph's guards accept (:meth:`_kind`: one dtype per column,
-        plain tensors, the same numels in every column, contiguous tables), else through dynamo (its guards pick or
-        compile the graph). A group with tensors of 0 or 1 elements has a graph of its own (:func:`_small`)."""
+        group: directly where the call passes what the graph's guards would check (:meth:`_direct`), else through
+        dynamo (its guards pick or compile the graph). A group with tensors of 0 or 1 elements has a graph of its
+        own (:func:`_small`)."""
         if self._compiled is None:
             self._compiled = torch.compile(self._loop, dynamic=True, fullgraph=True, backend=self._capture)
         checked = [self._kind(j, column) for j, column in enumerate(columns)]
-        sizes = [kind[1] for kind in checked if kind]  # each tensor column's numels
-        direct = False not in checked and all(s == sizes[0] for s in sizes) and all(r.is_contiguous() for r in rows)
+        direct = self._direct(checked, rows)
         weights = checked[0][0] if checked[0] else None  # the weights' one dtype, if they have one
         fp16 = weights == torch.float16 if weights is not None else any(t.dtype == torch.float16 for t in columns[0])
         # fp16's nearest rounding is a cast pair, which Inductor keeps only when it emulates casts (bf16's is bit ops)
         with _compat.multi_tensor_compile(emulate_casts=fp16):
             groups = _groups(len(columns[0]))
             pieces = [row.split([stop - start for start, stop in groups]) for row in rows]  # one call per table
-            numels = sizes[0] if direct else tuple(t.numel() for t in columns[0])
+            numels = next(kind[2] for kind in checked if kind) if direct else tuple(t.numel() for t in columns[0])
             kinds = tuple(None if column[0] is None else (column[0].dtype, column[0].device) for column in columns)
             tables = tuple((row.dtype, row.device, row.shape[1:]) for row in rows)
             graphs = self._graphs.setdefault((flags, kinds, tables), {})
@@ -217,14 +222,30 @@ class MultiTensor:
                     call, read = graph
                     call(*read({"columns": group, "rows": table, "flags": flags}))
 
+    @staticmethod
+    def _direct(checked: Sequence[Any], rows: Sequence[Tensor]) -> bool:
+        """Whether a call whose columns are ``checked`` (:meth:`_kind` of each) may skip dynamo: everything its guards
+        check of the inputs that the graph (keyed by flags, each column's first dtype and device, the tables' dtypes,
+        devices and widths, the group length and :func:`_small`) does not fix: each column plain 1-D contiguous
+        tensors of one dtype and device that need no gradient (or all None); a parameter's tensors of one size in
+        every column (each gets one size in the graph, which dynamo's guards unify: a direct call would loop over
+        one column's size in all); every size under :data:`INDEX_LIMIT`; contiguous tables on the columns' device.
+        Tensors of one call that share storage are distinct parameters' or states' (no element written twice)."""
+        if False in checked:
+            return False
+        kinds = [kind for kind in checked if kind]
+        sizes, device = kinds[0][2], kinds[0][1]
+        return (all(kind[2] == sizes and kind[1] == device for kind in kinds) and max(sizes, default=0) < INDEX_LIMIT
+                and all(row.is_contiguous() and row.device == device for row in rows))
+
     def _compile(self, shape: tuple[int, tuple[int, ...] | None], kinds: tuple[Any, ...], rows: Sequence[Tensor],
                  flags: tuple[Any, ...]) -> tuple[Callable[..., Any], Any] | None:
         """The graph for a group of ``shape`` (its length and :func:`_small`) and column ``kinds`` compiled on zero
-        stand-ins (what it computes on them is discarded): of :data:`COMPILE_NUMEL` elements each, or of the 0 or 1
-        elements of the group's tensors that have so few (dynamo gives those sizes graphs of their own); and its direct
-        call (None where dynamo reused a graph it had)."""
+        stand-ins (what it computes on them is discarded): of ``COMPILE_NUMEL + i`` elements for the i-th tensor, or
+        of the 0 or 1 elements of the group's tensors that have so few (dynamo gives those sizes graphs of their own);
+        and its direct call (None where dynamo reused a graph it had)."""
         length, small = shape
-        numels = [COMPILE_NUMEL] * length if small is None else [COMPILE_NUMEL if n > 1 else n for n in small]
+        numels = [COMPILE_NUMEL + i if small is None or small[i] > 1 else small[i] for i in range(length)]
         stand_ins = [[None if kind is None else torch.zeros(n, dtype=kind[0], device=kind[1]) for n in numels]
                      for kind in kinds]
         self._capture.last = None
@@ -233,10 +254,10 @@ class MultiTensor:
 
     def _kind(self, position: int, column: Sequence[Any]) -> Any:
         """What every entry of ``column`` is, as far as a graph compiled for its first entry could be called on all of
-        them without dynamo's guards: None (all None), (dtype, numels) for plain tensors of one dtype that need no
-        gradient (the device is the first's, as a bucket's), False otherwise. A list is checked once while it is the
-        last one seen at its position (a bucket's state columns are the same lists step after step, with the same
-        first tensor; its gradients are new each step)."""
+        them without dynamo's guards: None (all None), (dtype, device, numels) for plain 1-D contiguous tensors of
+        one dtype and device that need no gradient, False otherwise. A list is checked once while it is the last one
+        seen at its position (a bucket's state columns are the same lists step after step, with the same first
+        tensor; its gradients are new each step)."""
         first = column[0]
         last = self._checked.get(position)
         if last is not None and last[:2] == (id(column), len(column)) and (last[2] is None if first is None
@@ -245,8 +266,9 @@ class MultiTensor:
         if first is None:
             kind = None if all(t is None for t in column) else False
         else:
-            dtype = first.dtype
-            plain = all(type(t) is Tensor and t.dtype == dtype and not t.requires_grad for t in column)
-            kind = (dtype, tuple(t.numel() for t in column)) if plain else False
+            dtype, device = first.dtype, first.device
+            plain = all(type(t) is Tensor and t.dtype == dtype and t.device == device and not t.requires_grad
+                        and t.dim() == 1 and t.is_contiguous() for t in column)
+            kind = (dtype, device, tuple(t.numel() for t in column)) if plain else False
         self._checked[position] = (id(column), len(column), None if first is None else weakref.ref(first), kind)
         return kind
