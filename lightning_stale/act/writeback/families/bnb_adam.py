@@ -18,7 +18,11 @@ class BitsAndBytesAdam(BitsAndBytesFamily):
     states = 2
 
     def math(self, target: Tensor, grad: Tensor, moments: list[Tensor], config: dict[str, Any], step: int,
-             coded: bool) -> None:
+             coded: bool, cuda: bool) -> Tensor | None:
+        """On CUDA, with 8-bit states (``kOptimizerStatic8bit2StateBlockwise`` in bitsandbytes 0.50.1's
+        ``csrc/kernels.cu``, lines 1017-1041 and 1092-1105): an element whose gradient is NaN or +-Inf gets m = v = 0
+        (zeros in its block's absmax and codes) and keeps its weight, decay included. Its 32-bit kernel
+        (``kOptimizer32bit2State``) tests no element: NaN and Inf run into m, v and the weight, as on CPU."""
         m, v = moments
         (beta1, beta2), lr, eps, wd = config["betas"][:2], config["lr"], config["eps"], config["weight_decay"]
         m.mul_(beta1).add_(grad, alpha=1.0 - beta1)
@@ -33,6 +37,12 @@ class BitsAndBytesAdam(BitsAndBytesFamily):
             if wd > 0.0:
                 target.mul_(1.0 - lr * wd)
             target.add_(m / (v.sqrt() + eps * correction2), alpha=-lr * correction2 / correction1)
+        if not (cuda and coded):
+            return None
+        finite = grad.isfinite()  # the kernel's test, on the gradient as stored (its fp32 cast is exact)
+        m.masked_fill_(~finite, 0.0)  # each element's weight above read only its own m and v
+        v.masked_fill_(~finite, 0.0)
+        return finite
 
 
 FAMILIES = {getattr(bnb_optim, f"{paged}{name}{bits}"): BitsAndBytesAdam for paged in ("", "Paged")

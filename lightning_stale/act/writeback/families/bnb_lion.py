@@ -22,7 +22,12 @@ class BitsAndBytesLion(BitsAndBytesFamily):
     states = 1
 
     def math(self, target: Tensor, grad: Tensor, moments: list[Tensor], config: dict[str, Any], step: int,
-             coded: bool) -> None:
+             coded: bool, cuda: bool) -> Tensor | None:
+        """On CUDA (``kOptimizer32bit1State`` and ``kOptimizerStatic8bit1StateBlockwise`` in bitsandbytes 0.50.1's
+        ``csrc/kernels.cu``, lines 881-889, 1233-1235, 1248-1252 and 1287-1288) no gradient element is tested, but
+        the direction is ``sgn`` (line 158), 0 for NaN: an element whose interpolation is NaN (a NaN gradient) is
+        decayed and not moved, and its m takes the NaN (its code is then bitsandbytes' quantize op's). torch's sign,
+        which the CPU kernel uses, gives 0 for NaN too (torch 2.13); the CUDA rule is pinned here whatever it gives."""
         (m,) = moments
         (beta1, beta2), lr, wd = config["betas"][:2], config["lr"], config["weight_decay"]
         if wd > 0.0:
@@ -31,8 +36,11 @@ class BitsAndBytesLion(BitsAndBytesFamily):
             direction = torch.sign(m.mul(beta1) + grad.mul(1.0 - beta1))
         else:
             direction = m.mul(beta1).add(grad, alpha=1.0 - beta1).sign()
+        if cuda:
+            direction.nan_to_num_(0.0)
         target.add_(direction, alpha=-lr)
         m.mul_(beta2).add_(grad, alpha=1.0 - beta2)
+        return None
 
 
 FAMILIES = {getattr(bnb_optim, f"{paged}Lion{bits}"): BitsAndBytesLion for paged in ("", "Paged")
