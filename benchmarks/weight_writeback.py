@@ -11,12 +11,18 @@ the compensated write (what ``remedy="auto"`` writes there). The last rows pair 
 Kahan round by round (the median of auto's time over theirs). The first steps (compiles) are excluded. torch-optimi and
 torchao are optional (``pip install torch-optimi torchao``): a line says when one is absent.
 
+``--device cuda`` runs it on a GPU (each step timed between device synchronizations) and adds each configuration's
+memory: the bytes per parameter it keeps beyond the weights and gradients (moments, compensation buffers) and the
+extra peak inside a step; ``--total`` sets the stack's size (``--total 1e9``: a 1B-parameter stack) and ``--only``
+keeps the configurations whose name contains one of its words (and the reference).
+
 ``--part train``: the long plan's training step (the demo decoder, 17 tensors, bf16-true, batch 16 x 64 bytes):
 plain, with the monitor, and with the monitor and ``remedy="auto"`` once it has taken every weight over, for torch
 AdamW and bitsandbytes AdamW8bit; medians of alternating steps, as ratios to plain. Run::
 
     python benchmarks/weight_writeback.py --rounds 30
     python benchmarks/weight_writeback.py --part train --steps 200
+    python benchmarks/weight_writeback.py --device cuda --tensors 291 --total 1e9 --only fused auto kahan
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import json
 import logging
 import platform
 import statistics
@@ -57,13 +64,13 @@ def llama_shapes(layers: int, total: int = TOTAL) -> list[tuple[int, ...]]:
     return shapes(dim)
 
 
-def parameters(shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
-    """bf16 parameters of ``shapes`` with fixed random gradients (the same for every configuration)."""
-    gen = torch.Generator().manual_seed(0)
+def parameters(shapes: list[tuple[int, ...]], device: str = "cpu") -> list[torch.nn.Parameter]:
+    """bf16 parameters of ``shapes`` on ``device`` with fixed random gradients (the same for every configuration)."""
+    gen = torch.Generator(device).manual_seed(0)
     params = []
     for shape in shapes:
-        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).bfloat16())
-        p.grad = (torch.randn(shape, generator=gen) * 1e-3).bfloat16()
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen, device=device) * 0.02).bfloat16())
+        p.grad = (torch.randn(shape, generator=gen, device=device) * 1e-3).bfloat16()
         params.append(p)
     return params
 
@@ -117,33 +124,51 @@ def step_configurations() -> dict[str, Callable[[list[torch.nn.Parameter]], Call
     return out
 
 
-def run_steps(tensors: int, rounds: int, warmup: int) -> dict[str, float]:
-    shapes = llama_shapes(LAYERS[tensors])
-    base = parameters(shapes)
-    steps = {name: make([torch.nn.Parameter(p.detach().clone()) for p in base])
-             for name, make in step_configurations().items()}
-    grads = [p.grad for p in base]  # every configuration steps its own copies of the same gradients
-    for step in steps.values():
-        params = [p for g in step.__self__.param_groups for p in g["params"]]
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
+def run_steps(tensors: int, rounds: int, warmup: int, device: str = "cpu", total: int = TOTAL,
+              only: list[str] | None = None) -> dict[str, float]:
+    shapes = llama_shapes(LAYERS[tensors], total)
+    base = parameters(shapes, device)
+    cuda = device.startswith("cuda")
+    makers = {name: make for name, make in step_configurations().items()
+              if not only or name == REFERENCE or any(word.lower() in name.lower() for word in only)}
+    elements = sum(torch.Size(s).numel() for s in shapes)
+    steps, memory = {}, {}
+    for name, make in makers.items():  # each on its own copies of the same weights and gradients
+        before = torch.cuda.memory_allocated() if cuda else 0
+        params = [torch.nn.Parameter(p.detach().clone()) for p in base]
+        for p, b in zip(params, base):
+            p.grad = b.grad.clone()
+        steps[name] = make(params)
+        if cuda:  # the first step creates the states: what it keeps beyond weights and gradients, and its peak
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            steps[name]()
+            torch.cuda.synchronize()
+            kept = torch.cuda.memory_allocated() - before - 4 * elements  # bf16 weights and gradients
+            memory[name] = (kept / elements, (torch.cuda.max_memory_allocated() - start) / elements)
     seconds: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for r in range(warmup + rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             steps[name]()
+            if cuda:
+                torch.cuda.synchronize()
             if r >= warmup:
                 seconds[name].append(time.perf_counter() - start)
     ratios = {name: statistics.median(t / ref for t, ref in zip(seconds[name], seconds[REFERENCE]))
               for name in names}
     for peer in PEERS:  # auto over each one-pass peer, paired round by round (the step-time targets' quantity)
-        if peer in seconds:
+        if peer in seconds and AUTO in seconds:
             ratios[f"{AUTO} / {peer}"] = statistics.median(a / p for a, p in zip(seconds[AUTO], seconds[peer]))
     ratios["_reference_ms"] = 1e3 * statistics.median(seconds[REFERENCE])
-    ratios["_elements"] = sum(torch.Size(s).numel() for s in shapes)
+    ratios["_elements"] = elements
     ratios["_tensors"] = len(shapes)
+    ratios["_memory"] = memory  # name -> (bytes per parameter kept, extra peak per parameter in the first step)
     return ratios
 
 
@@ -196,6 +221,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (--part step)")
+    parser.add_argument("--total", type=float, default=TOTAL, help="elements of each stack (--part step)")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="keep the configurations whose name contains one of these words (--part step)")
+    parser.add_argument("--json", default=None, help="also write the step part's results to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -207,14 +237,25 @@ def main() -> None:
         print("|---|---|---|---|---|")
         run_train(args.steps)
         return
-    results = {n: run_steps(n, args.rounds, args.warmup) for n in args.tensors}
+    results = {n: run_steps(n, args.rounds, args.warmup, args.device, int(args.total), args.only)
+               for n in args.tensors}
+    if args.device != "cpu":
+        print(f"device: {torch.cuda.get_device_name() if args.device.startswith('cuda') else args.device}")
     header = [f"{r['_tensors']} tensors, {r['_elements'] / 1e6:.1f}M" for r in results.values()]
     print("| configuration | " + " | ".join(header) + " |")
     print("|---" * (len(header) + 1) + "|")
     for name in (k for k in next(iter(results.values())) if not k.startswith("_")):
-        cells = [f"{r[name]:.2f}" + (f" ({r['_reference_ms']:.0f} ms)" if name == REFERENCE else "")
+        cells = [f"{r[name]:.2f}" + (f" ({r['_reference_ms']:.1f} ms)" if name == REFERENCE else "")
                  for r in results.values()]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    memory = [r["_memory"] for r in results.values() if r["_memory"]]
+    if memory:
+        print("\nbytes per parameter beyond bf16 weights and gradients: kept / extra peak in the first step")
+        for name in memory[0]:
+            print(f"| {name} | " + " | ".join(f"{m[name][0]:.2f} / {m[name][1]:.2f}" for m in memory) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({str(n): r for n, r in results.items()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -92,14 +92,13 @@ def test_tensors_past_32_bit_indexing_never_go_direct():
     assert not _direct(big, rows)
 
 
-def test_tensors_of_different_sizes_keep_their_own_sizes_where_duck_shaping_is_on(monkeypatch):
+def test_tensors_of_different_sizes_keep_their_own_sizes_where_duck_shaping_is_on():
     """With duck shaping (torch's default, and what a torch without the setting does), stand-ins of equal sizes would
     share one size in the graph, and a direct call would loop over the first tensor's size in every tensor; the
     stand-ins' sizes differ, so each keeps its own. The first tensor is the smaller one: a failure writes too
     little (the bits differ), never out of bounds."""
     import torch.fx.experimental._config as fx_config
 
-    monkeypatch.setattr(fx_config, "use_duck_shape", True)
     kernel = kernels.MultiTensor(torch_adam.adam)
     compiled = torch.compile(kernel._loop, dynamic=True, fullgraph=True, backend=kernel._capture)
     through_dynamo = []
@@ -108,7 +107,8 @@ def test_tensors_of_different_sizes_keep_their_own_sizes_where_duck_shaping_is_o
     for sizes in ([4, 4], [5, 3000]):
         columns = _columns(sizes, seed=sizes[1])
         eager = [[t.clone() for t in column] for column in columns]
-        kernel(columns, rows, FLAGS, compiled=True)
+        with fx_config.patch(use_duck_shape=True):
+            kernel(columns, rows, FLAGS, compiled=True)
         kernel(eager, rows, FLAGS, compiled=False)
         assert all(torch.equal(a, b) for x, y in zip(columns, eager) for a, b in zip(x, y)), sizes
     assert through_dynamo == [1]  # the stand-ins' compile; both real calls direct
@@ -162,7 +162,7 @@ def test_an_inherited_codegen_method_is_overridden_inside_and_inherited_again_af
     monkeypatch.delattr(cpp.CppVecOverrides, "to_dtype_bitcast")
     inherited = cpp.CppVecOverrides.to_dtype_bitcast
     with _compat.multi_tensor_compile():
-        assert getattr(vars(cpp.CppVecOverrides)["to_dtype_bitcast"], "_lightning_stale", False)
+        assert getattr(vars(cpp.CppVecOverrides)["to_dtype_bitcast"].__func__, "_lightning_stale", False)
     assert "to_dtype_bitcast" not in vars(cpp.CppVecOverrides)
     assert cpp.CppVecOverrides.to_dtype_bitcast is inherited
 

@@ -27,6 +27,14 @@ GROUP = 8  # tensors per compiled call; a shorter tail runs as groups of 4, 2 an
 # Elements per eager call: the eager ops materialize a dozen fp32 temporaries of what they are given, so flat
 # tensors go through in pieces of this size (compiled calls fuse everything into one loop and hold no temporaries).
 EAGER_CHUNK = 1 << 20
+# The same on an accelerator, where each eager op is a kernel launch of some microseconds: pieces of 16M elements
+# (about 0.5 GB of fp32 temporaries) keep a large parameter's launches per step few.
+ACCELERATOR_CHUNK = 1 << 24
+
+
+def eager_chunk(device: torch.device) -> int:
+    """Elements per eager call on ``device`` (:data:`EAGER_CHUNK` on the CPU, :data:`ACCELERATOR_CHUNK` elsewhere)."""
+    return EAGER_CHUNK if device.type == "cpu" else ACCELERATOR_CHUNK
 # Elements of each tensor of a graph's first call: Inductor tunes the loops it generates to the sizes it compiles with
 # (on CPU a low-precision loop under 32 elements gets half the vector width; on GPU the block sizes), and the graph
 # then serves every size, so each graph compiles on stand-ins of about this size, whatever the first parameters are.

@@ -39,10 +39,10 @@ def cuda_kernels(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def pieces(numel: int) -> list[slice]:
-    """The pieces a flat parameter of ``numel`` elements is stepped in: whole blocks, :data:`.kernels.EAGER_CHUNK`
-    elements each (rounded down to a block), the last one shorter."""
-    size = max(kernels.EAGER_CHUNK // BLOCK, 1) * BLOCK
+def pieces(numel: int, device: torch.device) -> list[slice]:
+    """The pieces a flat parameter of ``numel`` elements on ``device`` is stepped in: whole blocks,
+    :func:`.kernels.eager_chunk` elements each (rounded down to a block), the last one shorter."""
+    size = max(kernels.eager_chunk(device) // BLOCK, 1) * BLOCK
     return [slice(start, start + size) for start in range(0, numel, size)]
 
 
@@ -81,7 +81,7 @@ class BitsAndBytesFamily(Family):
             config = self.optimizer.get_config(*member.position, member.group)
             state["step"] += 1
             flat = columns.flat and all(state[f"state{n}"].is_contiguous() for n in range(1, self.states + 1))
-            for part in pieces(w.numel()) if flat else [None]:
+            for part in pieces(w.numel(), w.device) if flat else [None]:
                 self._piece(part, w, c, g, state, config, write.weights, None if keys is None else keys[i], cuda)
 
     def _piece(self, part: slice | None, w: Tensor, c: Tensor | None, g: Tensor, state: dict[str, Any],
