@@ -181,7 +181,7 @@ class MultiTensor:
                 continue
             for start in range(0, numel, EAGER_CHUNK):
                 piece = [None if t is None else t[start:start + EAGER_CHUNK] for t in tensors]
-                keys = table[-1] + torch.tensor([start, 0], dtype=table[-1].dtype, device=table[-1].device)
+                keys = table[-1] + torch.tensor([as_int32(start), 0], dtype=table[-1].dtype, device=table[-1].device)
                 self.one(*piece, *table[:-1], keys, *flags)
 
     def _run_compiled(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
