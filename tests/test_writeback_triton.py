@@ -162,15 +162,18 @@ def test_every_size_around_blocks_and_chunks(interpreted, block, chunk, sizes, k
                      eager(kind, columns, rows, flags))
 
 
-@pytest.mark.parametrize("grads", [torch.float32, torch.bfloat16, torch.float16])
-def test_infinities_and_nans_go_where_the_eager_ones_go(interpreted, grads):
-    """A gradient with inf and NaN, a weight at bf16's largest value: the same infinities and NaNs (stochastic
-    rounding saturates; to nearest overflows as the cast does)."""
-    for weights in ("stochastic", "compensated"):
-        columns, rows = bucket("adam", [21], torch.bfloat16, grads, weights == "compensated", seed=5)
+@pytest.mark.parametrize(("weights", "grads"), [("bf16", torch.float32), ("bf16", torch.bfloat16),
+                                               ("fp16", torch.float16), ("fp16", torch.float32)])
+def test_infinities_and_nans_go_where_the_eager_ones_go(interpreted, weights, grads):
+    """A gradient with inf and NaN, weights at their dtype's largest values and a step size that takes them past it:
+    the same infinities and NaNs (stochastic rounding saturates; to nearest overflows as the cast does)."""
+    dtype = DTYPES[weights]
+    for rounding in ("stochastic", "compensated"):
+        columns, rows = bucket("adam", [21], dtype, grads, rounding == "compensated", seed=5)
         columns[2][0][:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e30]).to(grads)
-        columns[0][0][4:6] = torch.tensor([torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max])
-        flags = (weights, "stochastic", False)
+        columns[0][0][4:8] = torch.tensor([1.0, -1.0, 0.999, -0.999]) * torch.finfo(dtype).max
+        rows[0][0, 6] = -0.01 * torch.finfo(dtype).max
+        flags = (rounding, "stochastic", False)
         assert_same_bits(run_pass(interpreted_pass(interpreted, "adam"), columns, rows, flags),
                          eager("adam", columns, rows, flags))
 
@@ -302,41 +305,65 @@ def compiled() -> types.ModuleType:
     return load_kernels(interpret=False)
 
 
-SIGNATURE = {"state": "*i64", "grads": "*i64", "numels": "*i64", "chunks": "*i32", "n_chunks": "i32",
-             "scalars": "*fp32", "keys": "*i32", "n": "i32", "row": "i32"}
+class _StandInDriver:
+    """What Triton's JIT asks of a driver to bind a launch: a device, a stream and an H100's target."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
 
 
-def compile_for_a_gpu(kernels: types.ModuleType, kernel: str, **constants):
-    """``kernel`` compiled for an H100 (sm_90) as a launch with 16-byte aligned tables would compile it: no GPU
-    needed up to the machine code."""
-    from triton.backends.compiler import GPUTarget
+def compiled_as_launched(kernels: types.ModuleType, kind: str, columns: list[list], rows: list[torch.Tensor],
+                         flags: tuple) -> tuple[dict, dict]:
+    """The compile request of :class:`TritonPass`'s launch, as Triton's own JIT binds it (on a stand-in driver: no
+    GPU; its compile hook takes the request, so nothing compiles or launches there), and the code it compiles to
+    for an H100 (up to the machine code, which needs no GPU either)."""
     from triton.compiler import ASTSource
+    from triton.runtime.driver import driver
 
-    tl = kernels.tl
-    values = dict(W=tl.bfloat16, G=tl.float32, S=tl.bfloat16, HAS_C=True, HAS_S=True, FLAG=False, STOCHASTIC_W=True,
-                  STOCHASTIC_M=True, ALIGN=16, BLOCK=triton_pass.BLOCK, CHUNK=triton_pass.CHUNK, SECOND=SECOND_STREAM)
-    values.update(constants)
-    signature = {**SIGNATURE, **{name: "constexpr" for name in values}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(SIGNATURE.values()) if kind.startswith("*")}
-    source = ASTSource(getattr(kernels, kernel), signature, constexprs=values, attrs=attrs)
-    options = {"num_warps": triton_pass.NUM_WARPS, "enable_fp_fusion": False}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm
+    requests = []
+
+    def capture(*, compile, **_):
+        requests.append(compile)
+        return True
+
+    previous = driver._active
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.jit_cache_hook = capture
+        driver.set_active(_StandInDriver())
+        try:
+            assert triton_pass.TritonPass(kind, device_type="cpu", kernels=kernels)(columns, rows, flags, True, {})
+        finally:
+            driver.set_active(previous)
+    (request,) = requests
+    source = ASTSource(getattr(kernels, triton_pass.KERNELS[kind]), request["signature"],
+                       constexprs=request["constants"], attrs=request["configs"][0])
+    options = {"num_warps": request["num_warps"], "enable_fp_fusion": request["enable_fp_fusion"]}
+    return request, triton.compile(source, target=_StandInDriver().get_current_target(), options=options).asm
 
 
-@pytest.mark.parametrize(("kernel", "constants"), [
-    ("adam_kernel", {}),  # every part: residuals, both noises, the gradient's sign and decay
-    ("sgd_kernel", dict(FLAG=True, STOCHASTIC_W=False, G=torch.bfloat16)),
-], ids=["adam", "sgd-nesterov-compensated"])
-def test_the_gpu_code_has_no_fused_multiply_add_and_64_bit_offsets(compiled, kernel, constants):
-    """What the interpreter cannot show, read from the compiled code: no fused multiply-add (the eager ops round
-    every product), the correctly rounded division and square root and no flushing of subnormals, every element
-    address from int64 offsets, and 16-byte loads and stores of whole blocks."""
-    if constants.get("G") is torch.bfloat16:
-        constants["G"] = compiled.tl.bfloat16
-    asm = compile_for_a_gpu(compiled, kernel, **constants)
+@pytest.mark.parametrize(("kind", "flags", "grads"), [
+    ("adam", ("compensated", "stochastic", False), torch.float32),  # every op: the residual, v, the sign and decay
+    ("sgd", ("stochastic", "nearest", True), torch.bfloat16),
+], ids=["adam", "sgd-nesterov"])
+def test_the_gpu_code_has_no_fused_multiply_add_and_64_bit_offsets(compiled, kind, flags, grads):
+    """What the interpreter cannot show, read from the code the pass's launch compiles to for a GPU: fusion off in
+    its options, no fused multiply-add (the eager ops round every product), the correctly rounded division and
+    square root and no flushing of subnormals, every element address from int64 offsets, and 16-byte loads and
+    stores of whole blocks where the addresses are aligned (as these are)."""
+    columns, rows = bucket(kind, [0, 1, 19, 4096], torch.bfloat16, grads, flags[0] == "compensated")
+    request, asm = compiled_as_launched(compiled, kind, columns, rows, flags)
+    assert request["enable_fp_fusion"] is False and request["num_warps"] == triton_pass.NUM_WARPS
     ptx, ttir = asm["ptx"], asm["ttir"]
     assert "fma." not in ptx and ".ftz" not in ptx and ".approx" not in ptx
-    if kernel == "adam_kernel":
+    if kind == "adam":
         assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx
     element_addresses = [line for line in ttir.splitlines() if "tt.addptr" in line and "tensor<" in line]
     assert element_addresses and all("xi64>" in line.split(":")[-1] for line in element_addresses)
