@@ -178,6 +178,22 @@ def test_infinities_and_nans_go_where_the_eager_ones_go(interpreted, weights, gr
                          eager("adam", columns, rows, flags))
 
 
+def test_the_wrapping_integer_ops_pass_tritons_overflow_checks(interpreted, monkeypatch):
+    """Under ``TRITON_DEBUG`` Triton checks every int32 add and product for overflow (a failed check ends the run on
+    a GPU): the hash's products and the rounding's adds on NaN patterns wrap on purpose and are marked so. Run with
+    the interpreter's checks on, NaNs and infinities in every rounding."""
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", interpreter.InterpreterOptions(debug=True))
+    for dtype, rounding, moments in itertools.product(DTYPES.values(), ("stochastic", "compensated"),
+                                                      ("stochastic", "nearest")):
+        columns, rows = bucket("adam", [21], dtype, torch.float32, rounding == "compensated", seed=5)
+        columns[2][0][:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e30])
+        flags = (rounding, moments, False)
+        assert_same_bits(run_pass(interpreted_pass(interpreted, "adam"), columns, rows, flags),
+                         eager("adam", columns, rows, flags))
+
+
 def test_offsets_past_two_to_the_31_are_64_bit(interpreted):
     """A stand-in for a tensor of more than 2^31 elements: its address table entry points 2^31 elements before a
     real buffer and the chunk list holds only the chunks past 2^31, so the kernel writes the buffer only where its

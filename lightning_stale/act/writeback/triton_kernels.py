@@ -92,7 +92,8 @@ def _on_grid(x, noise, DTYPE: tl.constexpr):
         magnitude = tl.where(magnitude > 65504.0, 65504.0, magnitude)
         small = magnitude < offset
         shifted = tl.where(small, magnitude + offset, magnitude)
-        rounded = ((shifted.to(tl.int32, bitcast=True) + (noise >> 3)) & -8192).to(tl.float32, bitcast=True)
+        bits = tl.add(shifted.to(tl.int32, bitcast=True), noise >> 3, sanitize_overflow=False)  # a NaN's may wrap
+        rounded = (bits & -8192).to(tl.float32, bitcast=True)
         rounded = tl.where(small, rounded - offset, rounded)
         signed = (rounded.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | (x.to(tl.int32, bitcast=True) & -2147483648)
         return signed.to(tl.float32, bitcast=True)
