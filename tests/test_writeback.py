@@ -315,7 +315,7 @@ def test_noise_keys_are_the_hash_of_each_index_under_the_steps_key():
     base = kernels.noise_base(indices, starts)
     for count in (0, 1, 12345):
         key = kernels.step_key(11, count)
-        second = torch.tensor(kernels._SECOND_STREAM, dtype=torch.int32)
+        second = torch.tensor(kernels.SECOND_STREAM, dtype=torch.int32)
         expected = torch.stack([counter_hash(indices, key) + starts, counter_hash(indices ^ second, key)], dim=1)
         assert torch.equal(kernels.noise_keys(key, base), expected)
 

@@ -66,6 +66,7 @@ class Columns:
     flat: bool = True  # every tensor is taken flat (all contiguous: :func:`flat_alias`); else in its own shape, eagerly
     compiled: bool = False  # the bucket's pass runs torch.compile'd (flat, enough elements, a compiler)
     sharded: bool = False  # the members are DTensors (their gradients too): the passes take their local shards
+    cache: dict[str, Any] = field(default_factory=dict)  # a device pass's tables of these members (a subset: none)
 
     def view(self, tensor: Tensor) -> Tensor:
         """``tensor`` as this bucket's passes take it: flat (:func:`flat_alias`) where the bucket is, else as it is."""

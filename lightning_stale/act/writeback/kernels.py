@@ -14,7 +14,7 @@ import types
 import weakref
 from collections.abc import Callable, Sequence
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -22,6 +22,9 @@ from torch import Tensor
 from lightning_stale import _compat
 from lightning_stale.formats.floats import nearest_on_grid, on_grid
 from lightning_stale.formats.noise import NOISE_MASK, as_int32, counter_hash, counter_mix, keyed_hash, mix32
+
+if TYPE_CHECKING:
+    from lightning_stale.act.writeback.triton_pass import TritonPass
 
 GROUP = 8  # tensors per compiled call; a shorter tail runs as groups of 4, 2 and 1 (one graph per length)
 # Elements per eager call: the eager ops materialize a dozen fp32 temporaries of what they are given, so flat
@@ -44,7 +47,7 @@ COMPILE_NUMEL = 4096
 # Tensors of at least this many elements never go to a graph directly: the code generated for a graph may index
 # them with 32-bit integers, which dynamo's guards protect (it recompiles for such sizes) and a direct call skips.
 INDEX_LIMIT = 1 << 31
-_SECOND_STREAM = 0x6D6F6D73  # the key of a second, independent hash of the same counter
+SECOND_STREAM = 0x6D6F6D73  # the key of a second, independent hash of the same counter
 
 
 def sqrt(x: Tensor) -> Tensor:
@@ -64,7 +67,7 @@ def noise_base(indices: Tensor, starts: Tensor) -> Tensor:
     parameters, the same on every rank) and of their second stream, and (``starts``, 0): the flat position of this
     process's shard in the whole parameter. No rank enters: replicated ranks draw alike, and shards draw what the
     whole parameter would."""
-    return torch.stack([counter_mix(indices), counter_mix(indices ^ _SECOND_STREAM), starts,
+    return torch.stack([counter_mix(indices), counter_mix(indices ^ SECOND_STREAM), starts,
                         torch.zeros_like(starts)], dim=1)
 
 
@@ -80,7 +83,7 @@ def noise(like: Tensor, keys: Tensor, second: bool = False) -> Tensor:
     parameter's counter offset, under its key (``keys``: that parameter's row of :func:`noise_keys`); ``second``: an
     independent second draw for the same elements."""
     counter = torch.arange(like.numel(), dtype=torch.int32, device=like.device).view(like.shape) + keys[0]
-    key = keys[1] ^ _SECOND_STREAM if second else keys[1]
+    key = keys[1] ^ SECOND_STREAM if second else keys[1]
     return counter_hash(counter, key)
 
 
@@ -158,13 +161,14 @@ class MultiTensor:
     :data:`GROUP` tensors at a time with dynamic sizes, so one graph serves any sizes; each graph is compiled on
     stand-ins of about :data:`COMPILE_NUMEL` elements and then called directly (dynamo's per-call work, most of a
     small call's cost, is done once), where the call passes what dynamo's guards would check (:meth:`_direct`), else
-    through dynamo. Each kernel has its own code object,
-    hence its own dynamo cache. Eagerly, flat tensors go through in pieces of :data:`EAGER_CHUNK` elements (a
-    piece's noise counter starts where it starts: the same bits). Should compiling fail, the eager loop is used from
-    then on (same bits)."""
+    through dynamo. Each kernel has its own code object, hence its own dynamo cache. Eagerly, flat tensors go through
+    in pieces of :func:`eager_chunk` elements (a piece's noise counter starts where it starts: the same bits). Should compiling fail, the eager loop is used from
+    then on (same bits). On the device of ``device_pass`` (CUDA: :class:`.triton_pass.TritonPass`, one kernel launch
+    per call) that pass runs instead, both compiled and not, and the eager loop where it declines."""
 
-    def __init__(self, one: Callable[..., None]) -> None:
+    def __init__(self, one: Callable[..., None], device_pass: TritonPass | None = None) -> None:
         self.one = one
+        self.device_pass = device_pass
         code = _loop.__code__.replace(co_name=f"{one.__name__}_multi_tensor")
         self._loop = types.FunctionType(code, {**_loop.__globals__, "one": one}, code.co_name)
         self._capture = _compat.CapturingInductor()
@@ -178,7 +182,13 @@ class MultiTensor:
         self.failed = False
 
     def __call__(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...],
-                 compiled: bool, flat: bool = True) -> None:
+                 compiled: bool, flat: bool = True, cache: dict[str, Any] | None = None) -> None:
+        """The update over ``columns``; ``cache``: the bucket's own dict, where a device pass keeps its tables."""
+        device = self.device_pass
+        if device is not None and columns[0] and columns[0][0].device.type == device.device_type:
+            if device(columns, rows, flags, flat, cache):
+                return
+            compiled = False  # what it declines runs eagerly (the same bits)
         if compiled and not self.failed:
             try:
                 self._run_compiled(columns, rows, flags)
@@ -187,15 +197,17 @@ class MultiTensor:
                 self.failed = True
                 _compat.log.info("[lightning_stale] the compiled weight write-back is unavailable (%s); using eager "
                                  "ops", error)
+        chunk = eager_chunk(rows[-1].device)
         for i in range(len(columns[0])):
             tensors, table = [column[i] for column in columns], [row[i] for row in rows]
             numel = tensors[0].numel()
-            if not flat or numel <= EAGER_CHUNK:
+            if not flat or numel <= chunk:
                 self.one(*tensors, *table, *flags)
                 continue
-            for start in range(0, numel, EAGER_CHUNK):
-                piece = [None if t is None else t[start:start + EAGER_CHUNK] for t in tensors]
-                keys = table[-1] + torch.tensor([start, 0], dtype=table[-1].dtype, device=table[-1].device)
+            for start in range(0, numel, chunk):
+                piece = [None if t is None else t[start:start + chunk] for t in tensors]
+                keys = table[-1].clone()
+                keys[0] += as_int32(start)  # the piece's counter offset (int32, wrapping), without an upload
                 self.one(*piece, *table[:-1], keys, *flags)
 
     def _run_compiled(self, columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:

@@ -25,6 +25,7 @@ from lightning_stale.act.writeback.kernels import (
     write_moments,
     write_weight,
 )
+from lightning_stale.act.writeback.triton_pass import TritonPass
 
 
 def adam(w: Tensor, c: Tensor | None, g: Tensor, m: Tensor, v: Tensor, scalars: Tensor, keys: Tensor,
@@ -46,7 +47,7 @@ def adam(w: Tensor, c: Tensor | None, g: Tensor, m: Tensor, v: Tensor, scalars: 
     write_moments((m, v), (mf, vf), moments, noise(w, keys, second=stochastic) if moments == "stochastic" else None)
 
 
-ADAM = MultiTensor(adam)
+ADAM = MultiTensor(adam, TritonPass("adam"))
 
 
 class TorchAdam(Family):
@@ -82,7 +83,7 @@ class TorchAdam(Family):
         keys = noise_keys(write.key, columns.tensors["noise"])
         ADAM([columns.lists[name] for name in ("w", "c")] + [grads] + [columns.lists[name] for name in ("m", "v")],
              [to_device(scalars, device), keys], (write.weights, write.moments, gradient_as_is), columns.compiled,
-             columns.flat)
+             columns.flat, columns.cache)
 
     def _scalars(self, group_index: Tensor, steps: list[Tensor]) -> tuple[Tensor, bool]:
         """:func:`adam`'s scalars per member (fp32), from its group's hyper-parameters and its step counter (already

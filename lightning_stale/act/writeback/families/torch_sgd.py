@@ -24,6 +24,7 @@ from lightning_stale.act.writeback.kernels import (
     write_moments,
     write_weight,
 )
+from lightning_stale.act.writeback.triton_pass import TritonPass
 
 
 def sgd(w: Tensor, c: Tensor | None, g: Tensor, buf: Tensor | None, scalars: Tensor, keys: Tensor, weights: str,
@@ -43,7 +44,7 @@ def sgd(w: Tensor, c: Tensor | None, g: Tensor, buf: Tensor | None, scalars: Ten
         write_moments((buf,), (b,), moments, noise(w, keys, second=stochastic) if moments == "stochastic" else None)
 
 
-SGD = MultiTensor(sgd)
+SGD = MultiTensor(sgd, TritonPass("sgd"))
 
 
 class TorchSGD(Family):
@@ -78,7 +79,7 @@ class TorchSGD(Family):
         nesterov = bool(members[0].group.get("nesterov", False))
         SGD([columns.lists["w"], columns.lists["c"], grads, columns.lists["buf"]],
             [to_device(scalars, columns.lists["w"][0].device), keys], (write.weights, write.moments, nesterov),
-            columns.compiled, columns.flat)
+            columns.compiled, columns.flat, columns.cache)
 
 
 FAMILIES = {torch.optim.SGD: TorchSGD}
