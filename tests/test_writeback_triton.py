@@ -411,3 +411,31 @@ def test_only_the_kernels_module_imports_triton():
 
 def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
     return [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA (the interpreter tests above stand in)")
+
+
+def on_cuda(columns: list[list], rows: list[torch.Tensor]) -> tuple[list[list], list[torch.Tensor]]:
+    return ([[None if t is None else t.cuda() for t in column] for column in columns], [r.cuda() for r in rows])
+
+
+@CUDA
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_cuda_kernel_writes_the_eager_bits_on_the_gpu(kind, dtype):
+    """On a GPU: the package's own kernels (one launch per call) against the eager ops on the same device, in every
+    rounding, on sizes around the real block and chunk and a tensor of millions of elements; each call once."""
+    sizes = [0, 1, 37, triton_pass.BLOCK - 1, triton_pass.BLOCK + 1, triton_pass.CHUNK + 1, 2 * triton_pass.CHUNK + 3,
+             3_000_001]
+    cases = ADAM_CASES if kind == "adam" else SGD_CASES
+    for case in (c for c in cases if c[-1] == dtype):
+        weights, moments = case[0], case[1]
+        flag = case[2] if kind == "adam" else case[3]
+        columns, rows = on_cuda(*bucket(kind, sizes, DTYPES[dtype], torch.float32, weights == "compensated",
+                                        moments=kind == "adam" or case[2], seed=3))
+        flags = (weights, moments, flag)
+        got = copied(columns)
+        step = triton_pass.TritonPass(kind)
+        assert step(got, rows, flags, True, {}), step.failed
+        assert_same_bits(got, eager(kind, columns, rows, flags))

@@ -171,6 +171,7 @@ class DemoSettings:
     max_bytes: int = DEFAULT_MAX_BYTES
     progress_bar: bool = True
     threads: int | None = 1  # torch threads per run: one is fastest for this model on a busy or 2-core machine
+    accelerator: str = "cpu"  # the Trainer's accelerator (the prepared GPU check trains on "cuda")
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "evaluations", "val_batches", "log_every", "max_bytes"):

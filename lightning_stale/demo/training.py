@@ -101,7 +101,8 @@ def read_metric_curves(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
 def evaluate(model: LanguageModel, loader: torch.utils.data.DataLoader) -> float:
     """Mean next-byte cross-entropy over the loader's batches."""
     model.eval()
-    losses = [model.loss(batch).item() for batch in loader]
+    device = next(model.parameters()).device
+    losses = [model.loss(batch.to(device)).item() for batch in loader]
     model.train()
     return sum(losses) / len(losses)
 
@@ -165,7 +166,7 @@ def train_config(config: RunConfig, settings: DemoSettings, corpus: ByteCorpus, 
     val_loader = corpus.val_loader(settings.val_batches, settings.batch_size, settings.seed)
     with quiet_lightning():
         trainer = pl.Trainer(
-            accelerator="cpu",
+            accelerator=settings.accelerator,
             devices=1,
             precision=config.precision,
             max_steps=settings.steps,
