@@ -122,6 +122,45 @@ def fabric_strategy_stepping(optimizer: Any, callback: object) -> Any | None:
     return None
 
 
+def fabric_original_module(module: Any) -> Any:
+    """The user's module inside Fabric's ``_FabricModule`` wrapper (the one ``fabric.setup`` returns; its parameters
+    are named as the user's model names them), else ``module``. Fabric is not imported for it: a wrapper exists only
+    where Fabric was."""
+    if "lightning.fabric.wrappers" not in sys.modules:
+        return module
+    from lightning.fabric.wrappers import _FabricModule
+
+    if isinstance(module, _FabricModule):
+        inner = getattr(module, "module", None)  # the original module (before strategy wrappers and compile)
+        import torch
+
+        return inner if isinstance(inner, torch.nn.Module) else module
+    return module
+
+
+def is_mock_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is the placeholder Lightning uses when ``configure_optimizers`` returns None."""
+    try:
+        from lightning.pytorch.core.optimizer import _MockOptimizer
+    except ImportError:  # pragma: no cover - a moved placeholder: it then counts as an unknown optimizer
+        return False
+    return isinstance(unwrap_lightning_optimizer(optimizer), _MockOptimizer)
+
+
+def in_distributed_state_dict() -> bool:
+    """Whether the caller runs inside torch's distributed (``torch.distributed.checkpoint``) or FSDP state-dict
+    functions, found on the call stack by their modules' names; False where the stack cannot be read."""
+    import inspect
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(("torch.distributed.checkpoint", "torch.distributed.fsdp")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor

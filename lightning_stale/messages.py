@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 
 from torch import Tensor, nn
 
-from lightning_stale._compat import rank_zero_info, unwrap_compiled
+from lightning_stale._compat import fabric_original_module, rank_zero_info, unwrap_compiled
 
 
 class StaleStateWarning(UserWarning):
@@ -42,7 +42,8 @@ class ParamNames:
 
     def __init__(self, names: nn.Module | Mapping[str, Tensor] | None, optimizers: int = 1) -> None:
         if isinstance(names, nn.Module):
-            names = unwrap_compiled(names)  # torch.compile's wrapper prefixes every name with "_orig_mod."
+            # Fabric's and torch.compile's wrappers prefix every name ("_forward_module.", "_orig_mod.")
+            names = unwrap_compiled(fabric_original_module(names))
         pairs: Iterable[tuple[str, Tensor]] = () if names is None else (
             names.named_parameters() if isinstance(names, nn.Module) else names.items())
         self._by_id = {id(p): n for n, p in pairs}

@@ -8,7 +8,8 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_stale import StaleStateCallback
-from lightning_stale.factory import ENV_VAR, callbacks_from_env
+from lightning_stale.factory import ENV_VAR, callbacks_from_env, options_from_env
+from lightning_stale.messages import StaleStateWarning
 from lightning_stale.policies import AdaptiveReset, DriftReset, PeriodicReset, TheoryReset
 
 
@@ -39,10 +40,19 @@ def test_entry_point_adds_the_callback_when_the_variable_is_set(monkeypatch, tmp
 
 
 @pytest.mark.parametrize("spec", ["sometimes", "periodic", "periodic:0", "periodic:x"])
-def test_entry_point_rejects_an_unknown_spec_with_the_allowed_values(monkeypatch, spec):
+def test_entry_point_declines_an_unknown_spec_in_one_line_with_the_allowed_values(monkeypatch, tmp_path, spec):
+    """The variable is set for whole clusters: a value it does not understand must not stop a Trainer or Fabric."""
     monkeypatch.setenv(ENV_VAR, spec)
     with pytest.raises(ValueError, match="auto, theory, adaptive, drift or periodic"):
-        callbacks_from_env()
+        options_from_env()  # the parser itself says what it expects
+    with pytest.warns(StaleStateWarning) as caught:
+        trainer = L.Trainer(default_root_dir=tmp_path, logger=False)
+        fabric = L.Fabric(accelerator="cpu", devices=1)
+    lines = [str(w.message) for w in caught if issubclass(w.category, StaleStateWarning)]
+    assert len(set(lines)) == 1 and "auto, theory, adaptive, drift or periodic:<every>" in lines[0], lines
+    assert f"{ENV_VAR}={spec!r}: the value is not understood; training goes on without lightning_stale" in lines[0]
+    assert stale_callbacks(trainer) == [] and callbacks_from_env() == []
+    assert not any(type(cb).__name__ == "StaleStateFabricCallback" for cb in fabric._callbacks)
 
 
 def test_an_explicit_callback_wins_over_the_environment_variable(monkeypatch, tmp_path):

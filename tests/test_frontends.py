@@ -369,3 +369,44 @@ def test_fabric_rows_of_two_optimizers_are_one_metric_collection(tmp_path):
     # the predictions of a monitor attached inside the first step (Fabric's) start apart from a plain loop's
     assert {k: v for k, v in row.items() if "predicted" not in k} == \
         {k: v for k, v in expected.items() if "predicted" not in k}
+
+
+class Pair(nn.Module):
+    """Two named blocks, so that a name says where a parameter lives."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.encoder, self.head = nn.Linear(8, width), nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).relu())
+
+
+@pytest.mark.parametrize("shape", ["setup", "setup_then_optimizers", "two_models", "setup_module"])
+def test_fabric_names_parameters_as_the_set_up_model_does(monkeypatch, shape):
+    """Through the entry point (no model handed to the callback): the names ``names=model`` gives, for LitGPT's order
+    (``fabric.setup(model)`` then ``fabric.setup_optimizers``), ``fabric.setup(model, optimizer)`` and two models with
+    an optimizer each; ``setup_module`` calls no hook, so its parameters keep their ``opt0.<i>`` keys."""
+    monkeypatch.setenv(ENV_VAR, "1")
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    (callback,) = [cb for cb in fabric._callbacks if isinstance(cb, StaleStateFabricCallback)]
+    torch.manual_seed(0)
+    models = [Pair(16), Pair(4)] if shape == "two_models" else [Pair(16)]
+    originals = list(models)
+    optimizers = [torch.optim.AdamW(m.parameters()) for m in models] if shape in ("setup", "two_models") else None
+    if optimizers:
+        pairs = [fabric.setup(m, o) for m, o in zip(models, optimizers)]
+        models, optimizers = [m for m, _ in pairs], [o for _, o in pairs]
+    else:
+        models = [fabric.setup_module(m) if shape == "setup_module" else fabric.setup(m) for m in models]
+        optimizers = [fabric.setup_optimizers(torch.optim.AdamW(m.parameters())) for m in models]
+    for model, optimizer in zip(models, optimizers):
+        fabric.backward(model(torch.randn(4, 8)).square().mean())
+        optimizer.step()
+    for i, (original, monitor) in enumerate(zip(originals, callback.monitors.values())):
+        named = set(monitor.reset_periods())
+        if shape == "setup_module":
+            assert named == {f"opt{i}.{j}" for j in range(4)}
+        else:  # what names=original gives: its named_parameters (Fabric's wrapper adds "_forward_module.")
+            assert named == {name for name, _ in original.named_parameters()} == {"encoder.weight", "encoder.bias",
+                                                                                  "head.weight", "head.bias"}

@@ -18,8 +18,8 @@ import torch
 from lightning_stale import _compat
 from lightning_stale.adapters.protocol import MOMENTS, Moment, OptimizerAdapter, Slot
 
-__all__ = ["ENTRY_POINT_GROUP", "MOMENTS", "Moment", "OptimizerAdapter", "Slot", "adapter_for", "inner_optimizer",
-           "register_adapter"]
+__all__ = ["ENTRY_POINT_GROUP", "MOMENTS", "Moment", "OptimizerAdapter", "Slot", "adapter_for", "has_adapter",
+           "inner_optimizer", "register_adapter"]
 
 ENTRY_POINT_GROUP = "lightning_stale.adapters"
 
@@ -88,6 +88,12 @@ def inner_optimizer(optimizer: object) -> object:
     while _lookup(inner) is None and isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
         inner = unwrap(inner.optimizer)
     return inner
+
+
+def has_adapter(optimizer: object) -> bool:
+    """Whether an adapter is registered for ``optimizer`` (or the optimizer it wraps), as :func:`adapter_for` finds
+    it with ``strict=True``."""
+    return _lookup(inner_optimizer(optimizer)) is not None
 
 
 def adapter_for(optimizer: object, strict: bool = True) -> OptimizerAdapter:

@@ -2,7 +2,12 @@
 
 At ``on_train_start`` it attaches a monitor to the Trainer's optimizers (sums across ranks through the strategy),
 logs the monitor's row through the LightningModule logging path at the Trainer's ``log_every_n_steps`` (so
-``ModelCheckpoint``/``EarlyStopping`` can monitor ``stale/v/frac``), and saves the monitor's state in checkpoints.
+``ModelCheckpoint``/``EarlyStopping`` can monitor ``stale/v/frac``), and saves the monitor's state in checkpoints (as
+its callback state; each optimizer's state dict carries its part too, and the callback state wins on resume).
+
+Constructed explicitly, it refuses at setup or fit start what it cannot watch (an unknown optimizer unless
+``strict=False``, no optimizer, an unsupported strategy) with a message naming what to use. Created by the
+``LIGHTNING_STALE`` entry point, it says so in one warning line instead and the run trains on without it.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_stale import _compat
 from lightning_stale._compat import rank_zero_info
 from lightning_stale.act.interventions import ResetEvent, ResetListener
+from lightning_stale.adapters import has_adapter, inner_optimizer
 from lightning_stale.decide.lr_outlook import UNKNOWN_LAST_STEP
 from lightning_stale.decide.policies import ResetPolicy
 from lightning_stale.decide.remedies import Remedy
+from lightning_stale.integrations.factory import decline
 from lightning_stale.monitor import metrics
 from lightning_stale.monitor.monitor import StaleStateMonitor
 from lightning_stale.monitor.options import MonitorOptions
@@ -122,12 +129,15 @@ class StaleStateCallback(Callback):
             return
         strategy = type(trainer.strategy).__name__
         if "DeepSpeed" in strategy or "FSDP" in strategy:
-            raise MisconfigurationException(
-                f"StaleStateCallback does not support {strategy}: its optimizer state is flattened into shards the "
-                "monitor cannot map to parameters, and bitsandbytes' 8-bit states break under FSDP1 "
-                "(bitsandbytes#89). Use ModelParallelStrategy (FSDP2, with torch.optim or torchao optimizers), DDP "
-                "or a single device, or remove the callback."
-            )
+            what = (f"StaleStateCallback does not support {strategy}: its optimizer state is flattened into shards the "
+                    "monitor cannot map to parameters, and bitsandbytes' 8-bit states break under FSDP1 "
+                    "(bitsandbytes#89)")
+            todo = "Use ModelParallelStrategy (FSDP2, with torch.optim or torchao optimizers), DDP or a single device"
+            if self.from_environment:
+                self._disabled = True
+                decline(what, f"{todo}.")
+                return
+            raise MisconfigurationException(f"{what}. {todo}, or remove the callback.")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _require_trainer(trainer)
@@ -135,28 +145,51 @@ class StaleStateCallback(Callback):
         if self._disabled:
             return
         same_trainer, self._trainer = self._trainer is trainer, trainer
-        if not trainer.optimizers:
-            raise MisconfigurationException("StaleStateCallback needs at least one optimizer (none was configured)")
+        if not self.from_environment:
+            self._start(trainer, pl_module, same_trainer)
+            return
+        optimizers = [o for o in trainer.optimizers if not _compat.is_mock_optimizer(o)]
+        unknown = [o for o in optimizers if not has_adapter(o)] if self.options.strict else []
+        if not optimizers:
+            decline("the Trainer has no optimizer (configure_optimizers returned None)",
+                    "Return one from configure_optimizers to monitor it.")
+        elif unknown:
+            names = ", ".join(f"{type(o).__module__}.{type(o).__qualname__}" for o in map(inner_optimizer, unknown))
+            decline(f"{names} is not an optimizer lightning_stale knows", "To watch it, pass "
+                    "StaleStateCallback(strict=False) (the generic adapter) to the Trainer, or register an adapter "
+                    "(lightning_stale.register_adapter).")
+        else:
+            try:
+                self._start(trainer, pl_module, same_trainer)
+            except Exception as error:  # the variable's callback never stops a run
+                self._detach()
+                self.monitor = None
+                decline(f"the monitor could not attach ({type(error).__name__}: {error})",
+                        "Pass StaleStateCallback(...) to the Trainer to see the error where it arises.")
+
+    def _start(self, trainer: Trainer, pl_module: LightningModule, same_trainer: bool) -> None:
+        """Attach a monitor to the Trainer's optimizers; MisconfigurationException for what it cannot watch."""
+        if all(_compat.is_mock_optimizer(o) for o in trainer.optimizers):
+            raise MisconfigurationException("StaleStateCallback needs at least one optimizer (none was configured: "
+                                            "configure_optimizers returned None)")
         if "ModelParallel" in type(trainer.strategy).__name__:
             _check_sharded_optimizers(trainer.optimizers)
             _load_compensation(trainer, pl_module)
         previous = self.monitor
-        self.monitor = StaleStateMonitor(
-            trainer.optimizers, options=self.options, names=pl_module,
-            reduce=self.reduce_sum if trainer.world_size > 1 else None,
-            coverage_steps=max(1, trainer.log_every_n_steps),
-        )
+        try:
+            self.monitor = StaleStateMonitor(
+                trainer.optimizers, options=self.options, names=pl_module,
+                reduce=self.reduce_sum if trainer.world_size > 1 else None,
+                coverage_steps=max(1, trainer.log_every_n_steps), state=self._pending_state or None,
+            )
+        except ValueError as error:  # a saved state this version cannot read
+            raise MisconfigurationException(f"StaleStateCallback: {error}") from error
+        self._pending_state = None
         for listener in self._listeners:
             self.monitor.add_reset_listener(listener)
         self.monitor.add_reset_listener(lambda event: self.on_reset(trainer, event))
-        if self._pending_state is not None:
-            try:
-                self.monitor.load_state_dict(self._pending_state)
-            except ValueError as error:
-                raise MisconfigurationException(f"StaleStateCallback: {error}") from error
-            self._pending_state = None
-        elif previous is not None and same_trainer:  # a later fit of the same Trainer goes on (a new one starts over)
-            self.monitor.continue_from(previous)
+        if not self.monitor.restored and previous is not None and same_trainer:
+            self.monitor.continue_from(previous)  # a later fit of the same Trainer goes on (a new one starts over)
         for config in trainer.lr_scheduler_configs:  # the weights' fit-start report says when lr falls past them
             if config.interval == "step" and not config.reduce_on_plateau and \
                     self.monitor.watches(config.scheduler.optimizer):

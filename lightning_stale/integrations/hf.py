@@ -10,7 +10,8 @@ reporters, so use :func:`add_stale_callback` (it puts the callback first) to rea
     add_stale_callback(trainer, reset="theory")
     trainer.train()                                   # or trainer.train(resume_from_checkpoint=...)
 
-The weight write-back's compensation buffers live in the optimizer's state, so ``optimizer.pt`` carries them.
+The weight write-back's compensation buffers live in the optimizer's state, so ``optimizer.pt`` carries them, and
+the monitor's state travels in it too (the callback state below wins where both are saved).
 
 Checkpoints: the callback is an ``ExportableState``, so every checkpoint's ``trainer_state.json`` holds the monitor's
 state (``stateful_callbacks``), and ``train(resume_from_checkpoint=...)`` continues its reset schedule, ages, counters
@@ -63,9 +64,8 @@ class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
         # resume, the checkpoint's; transformers' own restore, if enabled, has set saved_state instead.
         saved = self.saved_state or _saved_attributes(state, type(self).__name__).get("saved_state")
         self.monitor = StaleStateMonitor(optimizer, options=self.options, names=model,
-                                         coverage_steps=max(1, int(args.logging_steps)))
-        if saved:
-            self.monitor.load_state_dict(from_json(saved))
+                                         coverage_steps=max(1, int(args.logging_steps)),
+                                         state=from_json(saved) if saved else None)
         self.saved_state = None
         scheduler = kwargs.get("lr_scheduler")  # stepped once per optimizer step, to state.max_steps
         scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper, where there is one

@@ -31,6 +31,7 @@ from lightning_stale.adapters.protocol import Slot
 from lightning_stale.decide.ledger import LedgerRow
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.messages import Notices, ParamNames, StaleStateInternalWarning, StaleStateWarning, info
+from lightning_stale.monitor import carried
 from lightning_stale.monitor.options import MonitorOptions
 from lightning_stale.monitor.pipeline import OptimizerPipeline
 from lightning_stale.monitor.window import StaleStateMetric
@@ -69,6 +70,10 @@ class StaleStateMonitor:
         steps_taken: optimizer steps each optimizer already took before the monitor attached (a front-end that
             attaches after the first step passes 1), so that :attr:`steps` and :attr:`ResetEvent.step` count the
             optimizer's real steps; a restored :meth:`state_dict` replaces it.
+        state: a :meth:`state_dict` to continue from, loaded before the monitor looks at the optimizers' state (so
+            its fit-start report and first decisions are those of the resumed run). Without it the monitor continues
+            from the state each optimizer's own state dict carried, where a loaded checkpoint left one (every
+            optimizer's ``state_dict()`` carries the monitor's part, see :mod:`lightning_stale.monitor.carried`).
         coverage_steps: in sample mode, every parameter is measured at least once in this many measured steps (set it
             to your logging interval). Also the interval of check steps, which re-take the grid estimates of rho-hat
             and on which ``reset="drift"`` and the remedy read their signals (one host synchronisation each).
@@ -78,8 +83,8 @@ class StaleStateMonitor:
 
     def __init__(self, optimizers: object | Sequence[object], reset: Any = None, *,
                  names: nn.Module | Mapping[str, Tensor] | None = None, reduce: Reduce | None = None,
-                 coverage_steps: int = 50, steps_taken: int = 0, options: MonitorOptions | None = None,
-                 **kwargs: Any) -> None:
+                 coverage_steps: int = 50, steps_taken: int = 0, state: Mapping[str, Any] | None = None,
+                 options: MonitorOptions | None = None, **kwargs: Any) -> None:
         if options is None:
             options = MonitorOptions.from_arguments("StaleStateMonitor", {"reset": reset, **kwargs})
         elif reset is not None or kwargs:
@@ -95,9 +100,20 @@ class StaleStateMonitor:
         if not sources:
             raise ValueError("StaleStateMonitor needs at least one optimizer (none was given)")
         self._names = ParamNames(names, len(sources))
-        self._pipelines = [self._attach(i, source, coverage_steps, steps_taken)
-                           for i, source in enumerate(sources)]
-        self.metric = StaleStateMetric(self._pipelines, options, self._names, self._reduce)  # the window's metrics
+        self._pipelines: list[OptimizerPipeline] = []
+        # Plain values a front-end keeps with the monitor's state (the Fabric callback's logging clock): saved in
+        # state_dict() and in each optimizer's state dict, restored with them.
+        self.front_end: dict[str, Any] = {}
+        try:
+            for i, source in enumerate(sources):
+                self._pipelines.append(self._attach(i, source, coverage_steps, steps_taken))
+            self.metric = StaleStateMetric(self._pipelines, options, self._names, self._reduce)  # the window's metrics
+            self.restored = self._restore(state)  # whether the monitor continues from a saved state
+            for pipeline in self._pipelines:
+                pipeline.adopt()
+        except BaseException:
+            self.close()  # a monitor that cannot attach leaves no hook behind (a front-end may train on without it)
+            raise
 
     # -- queries -----------------------------------------------------------------------------------------------------
     @property
@@ -204,9 +220,12 @@ class StaleStateMonitor:
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
+        return self._state(self._pipelines)
+
+    def _state(self, pipelines: list[OptimizerPipeline]) -> dict[str, Any]:
         return {"version": STATE_VERSION, "rank": _compat.global_rank(), "world_size": world_size(),
-                "policy": repr(self.policy),
-                "optimizers": [pipeline.state_dict() for pipeline in self._pipelines]}
+                "policy": repr(self.policy), "front_end": dict(self.front_end),
+                "optimizers": [pipeline.state_dict() for pipeline in pipelines]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (this version's or an earlier one's): counts in the current window,
@@ -218,20 +237,24 @@ class StaleStateMonitor:
         multi-process resume the first row covers the steps since the resume; ages, reset counts and cursors are the
         same on every rank and always restored."""
         state = upgrade(state)
-        saved = state["optimizers"]
-        if len(saved) != len(self._pipelines):
+        if len(state["optimizers"]) != len(self._pipelines):
             raise ValueError(
-                f"the saved monitor state tracks {len(saved)} optimizer(s) but {len(self._pipelines)} are attached "
-                "now. Resume with the same optimizers, or drop the saved monitor state."
+                f"the saved monitor state tracks {len(state['optimizers'])} optimizer(s) but {len(self._pipelines)} "
+                "are attached now. Resume with the same optimizers, or drop the saved monitor state."
             )
+        self._load(state, self._pipelines)
+
+    def _load(self, state: dict[str, Any], pipelines: list[OptimizerPipeline]) -> None:
+        """Load an upgraded state's per-optimizer parts into ``pipelines`` (one part each)."""
         same_policy = state.get("policy", repr(self.policy)) == repr(self.policy)
         if not same_policy:
             info(f"[lightning_stale] resuming with policy {self.policy!r}; the checkpoint was saved with "
                  f"{state['policy']}: reset periods are chosen by the new policy, ages and counts continue.")
         multi_process = state.get("world_size", 1) > 1 or world_size() > 1
         own_shadows = not multi_process or state.get("rank", 0) == _compat.global_rank()
-        for pipeline, part in zip(self._pipelines, saved):
+        for pipeline, part in zip(pipelines, state["optimizers"]):
             pipeline.load_state_dict(part, counts=not multi_process, shadows=own_shadows, periods=same_policy)
+        self.front_end = dict(state.get("front_end", {}))
 
     def continue_from(self, previous: StaleStateMonitor) -> None:
         """Go on from a monitor of an earlier run in this process (a second ``fit`` of the same Trainer): its whole
@@ -241,17 +264,70 @@ class StaleStateMonitor:
         else:
             self._pipelines[0].interventions.add_counts(previous.reset_events, previous.remedy_resets)
 
+    # -- the state carried in the optimizers' own state dicts ----------------------------------------------------------
+    def _restore(self, state: Mapping[str, Any] | None) -> bool:
+        """Continue from ``state`` when given, else from what each optimizer's state dict carried; the carried states
+        are taken out of the optimizers either way (an explicit state wins: a checkpoint holding both, as the
+        Trainer's does, applies one)."""
+        waiting = [carried.take(pipeline.optimizer) for pipeline in self._pipelines]
+        if state is not None:
+            self.load_state_dict(dict(state))
+            resumed, source = self._pipelines, "the saved monitor state"
+        else:
+            resumed = [pipeline for pipeline, part in zip(self._pipelines, waiting)
+                       if part is not None and self._continue_carried(pipeline, part)]
+            source = "the state carried in the optimizer's state dict"
+        if resumed:
+            info(f"[lightning_stale] resuming from {source}: "
+                 + ", ".join(f"{type(p.optimizer).__name__} at optimizer step {p.steps}" for p in resumed))
+        return bool(resumed)
+
+    def _continue_carried(self, pipeline: OptimizerPipeline, state: dict[str, Any]) -> bool:
+        """Continue ``pipeline`` from the state its optimizer's state dict carried; one that cannot be read is
+        reported once and monitoring goes on from where it is (a checkpoint never stops a run)."""
+        try:
+            self._load(upgrade(state), [pipeline])
+        except Exception as error:
+            self._notices.warn_once(
+                f"carried:{pipeline.engine.prefix}",
+                f"lightning_stale: the monitor state carried in the state dict of {type(pipeline.optimizer).__name__} "
+                f"could not be used ({type(error).__name__}: {error}); monitoring goes on without it")
+            return False
+        return True
+
+    def _carry(self, pipeline: OptimizerPipeline, state_dict: dict[str, Any]) -> None:
+        """torch's state-dict post-hook: ``optimizer.state_dict()`` carries this optimizer's part of the monitor."""
+        try:
+            carried.put(state_dict, self._state([pipeline]))
+        except Exception as error:  # saving a checkpoint must not fail because of the monitor
+            self._notices.warn_once(
+                f"carry:{pipeline.engine.prefix}",
+                f"lightning_stale: the state dict of {type(pipeline.optimizer).__name__} does not carry the monitor's "
+                f"state ({type(error).__name__}: {error}); save StaleStateMonitor.state_dict() to resume it",
+                StaleStateInternalWarning)
+
+    def _take_waiting(self, index: int) -> None:
+        """The first pre-step hook: continue from a state that a checkpoint loaded into the optimizer since the last
+        step (one dict look-up when there is none)."""
+        pipeline = self._pipelines[index]
+        if carried.waiting(pipeline.optimizer):
+            self._continue_carried(pipeline, carried.take(pipeline.optimizer) or {})
+
     # -- attaching and the error shield ------------------------------------------------------------------------------
     def _attach(self, index: int, source: object, coverage_steps: int, steps_taken: int) -> OptimizerPipeline:
         adapter = adapters.adapter_for(source, strict=self.options.strict)
+        optimizer = adapter.optimizer
+        # Registered before the pipeline's write-back registers its own: a loaded state is taken before any of them.
+        self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._take_waiting(index)))
         pipeline = OptimizerPipeline(adapter, index, self.options, self._reduce, self._names,
                                      self._notices.warn_once, self._listeners, coverage_steps, steps_taken)
-        optimizer = adapter.optimizer
         self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._shielded(pipeline.before_step,
                                                                                         pipeline)))
         self._handles.append(optimizer.register_step_post_hook(lambda *_: self._shielded(pipeline.after_step,
                                                                                          pipeline)))
         self._handles.append(optimizer.register_load_state_dict_post_hook(lambda *_: pipeline.engine.invalidate()))
+        self._handles.append(optimizer.register_state_dict_post_hook(lambda _, state_dict: self._carry(pipeline,
+                                                                                                      state_dict)))
         return pipeline
 
     def _pipeline_of(self, optimizer: object) -> OptimizerPipeline | None:

@@ -42,6 +42,9 @@ class OptimizerPipeline:
         names: readable parameter names; ``warn``: one-time warnings; ``listeners``: the monitor's reset listeners.
         coverage_steps: every parameter is measured within this many measured steps; also the check interval.
         steps_taken: optimizer steps taken before the monitor attached.
+
+    The monitor calls :meth:`adopt` once it has loaded any saved state, so that the first look at the optimizer's state
+    is the resumed run's.
     """
 
     def __init__(self, adapter: OptimizerAdapter, index: int, options: MonitorOptions, reduce: Reduce | None,
@@ -73,7 +76,6 @@ class OptimizerPipeline:
         self.schedule: tuple[Any, int, int] | None = None
         self.estimated: set[int] = set()  # positions given a grid estimate since the last period report
         self.foreseen: set[str] = set()  # keys of the parameters the remedy has judged from their rho-hat
-        self.adopt()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -304,3 +306,8 @@ class OptimizerPipeline:
         if self.writeback is not None and "weights" in state:
             self.writeback.load_state_dict(state["weights"])
         self.adopted = -1
+        # A run that had seen its parameters made its fit-start report and foresight then, and the remedy judged each
+        # parameter whose rho-hat it knew: a resume does not repeat them (their choices are in the state), so its
+        # decisions are the uninterrupted run's.
+        self.announced = self.announced or bool(state["ledger"])
+        self.foreseen |= {key for key, fields in state["ledger"].items() if not math.isnan(fields.get("rho", math.nan))}
