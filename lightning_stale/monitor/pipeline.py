@@ -67,6 +67,7 @@ class OptimizerPipeline:
         self.auto_weights = self.writeback is not None and options.weights is None
         self._warn = warn
         self.steps = steps_taken  # real optimizer steps seen (restored from checkpoints)
+        self.window_start = steps_taken  # the step after which the current window began
         self.adopted = -1  # the engine version whose units the ledger holds
         self.announced = False
         # (lr scheduler, last step, optimizer steps per scheduler step) that the fit-start weight report follows
@@ -327,6 +328,29 @@ class OptimizerPipeline:
         """Start a new window of counts and predicted stalls (what the monitor's ``compute()`` reads)."""
         self.engine.reset_window()
         self.forecast.reset_window(self.engine.entries)
+        self.window_start = self.steps
+
+    def describe_nonfinite(self, positions: np.ndarray, shown: int = 5) -> tuple[str, int]:
+        """The parameters at ``positions``, whose sampled weights went NaN/Inf in this window, in words (the first
+        ``shown`` with those of their stored moments that went too: one host read each), and the optimizer step
+        the window started after."""
+        names = []
+        for position in positions[:shown]:
+            unit = self.engine.tracked[position]
+            states = []
+            for entry in unit.entries:
+                if entry.moment == WEIGHT:
+                    continue
+                try:
+                    values = entry.slot.value_at(unit.sample.positions(unit.param.device))
+                    if not bool(torch.isfinite(values).all()):
+                        states.append(entry.slot.key)
+                except Exception:  # a layout that cannot be read here: its state is left unnamed
+                    continue
+            name = repr(self.name(self.ledger.rows[position]))
+            names.append(f"{name} (and its {', '.join(states)})" if states else name)
+        more = f" and {len(positions) - shown} more" if len(positions) > shown else ""
+        return ", ".join(names) + more, self.window_start
 
     def close(self) -> None:
         """Remove the write-back's hooks."""
@@ -357,7 +381,7 @@ class OptimizerPipeline:
     def load_state_dict(self, state: dict[str, Any], counts: bool, shadows: bool, periods: bool) -> None:
         """Continue from a :meth:`state_dict`; ``counts`` and ``shadows``: whether the unlogged counts and the drift
         shadows are this process's (see the monitor); ``periods``: whether the saved periods continue."""
-        self.steps = int(state["steps"])
+        self.steps = self.window_start = int(state["steps"])
         self.engine.load_state_dict(state["engine"], counts=counts, shadows=shadows)
         self.forecast.load_state_dict(state["forecast"] if counts else {})
         self.ledger.load_state_dict(state["ledger"] if periods else without_periods(state["ledger"]))
