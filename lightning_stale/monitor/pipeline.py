@@ -70,6 +70,7 @@ class OptimizerPipeline:
         self.window_start = steps_taken  # the step after which the current window began
         self.adopted = -1  # the engine version whose units the ledger holds
         self.announced = False
+        self.judge_due = self.weights_due = False  # what the remedy judges at the next step hook
         # (lr scheduler, last step, optimizer steps per scheduler step) that the fit-start weight report follows
         self.schedule: tuple[Any, int, int] | None = None
         self.outlook: LrOutlook | None = None  # its lrs ahead, read at the fit-start report
@@ -77,7 +78,7 @@ class OptimizerPipeline:
         self.said_rising = False  # the weight decision waited for a rising lr (said once)
         self.estimated: set[int] = set()  # positions given a grid estimate since the last period report
         self.foreseen: set[str] = set()  # keys of the parameters the remedy has judged from their rho-hat
-        self.adopt()
+        self.adopt(stepping=False)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -151,28 +152,38 @@ class OptimizerPipeline:
             self.interventions.reset(units, self.policy.moments, self.steps)
 
     # -- parameters appearing and their theory -----------------------------------------------------------------------
-    def adopt(self, after_step: bool = False) -> None:
+    def adopt(self, after_step: bool = False, stepping: bool = True) -> None:
         """Align the ledger and the forecast with the engine's units; let the policy choose the periods of the
-        parameters whose rho-hat is known; announce the optimizer at its first parameters.
+        parameters whose rho-hat is known; announce the optimizer at its first parameters. The remedy judges what
+        was aligned inside a step hook (``stepping``), not when the monitor attaches: a front-end tells it the lr
+        schedule to follow after attaching, and a resumed state exists from then on.
 
         A parameter whose state existed before monitoring began (a checkpoint saved without the monitor) is as old as
         its optimizer step counter says; inside the post-step hook that counter already includes this step, which
         the ledger adds next."""
-        if self.adopted == self.engine.version:
-            return
+        if self.adopted != self.engine.version:
+            self.align(after_step)
+        if stepping and self.judge_due:
+            self.judge_due = False
+            if self.weights_due:
+                self.weights_due = False
+                self.foresee_weights(self.steps + (0 if after_step else 1))
+            self.foresee()
+
+    def align(self, after_step: bool) -> None:
+        """:meth:`adopt`'s alignment of the ledger and the forecast with the engine's units."""
         self.adopted = self.engine.version
         new = self.ledger.sync(self.engine.tracked, lambda unit: max(0, (self.adapter.steps_taken(unit.param) or 0)
                                                                      - after_step))
         self.forecast.align(self.engine.entries)
         self.forecast.adopt(self.ledger)
         self.configure([u for u in self.ledger.rows if u.period_source == "" and not self.forecast.waiting(u)])
+        self.judge_due = True
         if new and not self.announced:
-            self.announced = True
+            self.announced = self.weights_due = True
             mixed = self.mixed_precision()  # a collective: every rank adopts at the same step
             info(fit_start_report(self.adapter, self.engine, self.ledger, self.forecast.pending, self.policy,
                                   self.remedy, self.options.track_every, mixed))
-            self.foresee_weights(self.steps + (0 if after_step else 1))
-        self.foresee()
 
     def estimate(self, positions: list[int]) -> None:
         """Grid estimates of the parameters at ``positions``; the periods, once every state has settled."""
