@@ -160,3 +160,29 @@ def test_the_hugging_face_trainer_with_warm_up_from_zero(tmp_path, caplog):
     early = [r for r in rows if r["step"] <= 20]
     assert early and all(r["stale/remedy/weights"] == sum(n for n, _ in start) for r in early)
     assert not math.isnan(rows[-1]["stale/frac"])
+
+
+def test_the_lightning_trainer_with_a_step_warm_up_from_zero(tmp_path, caplog):
+    """The Trainer follows its step-interval scheduler: judged at the warm-up's peak, nothing taken over while the lr
+    rises, and the logged counts agree with the lines."""
+    from helpers import Regression, fit, logged
+
+    from lightning_stale import StaleStateCallback
+
+    class WarmUp(Regression):
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched.LambdaLR(opt, _warmup(20)),
+                                                       "interval": "step"}}
+
+    with caplog.at_level(logging.INFO):
+        trainer = fit(tmp_path, WarmUp("torch_bf16"), StaleStateCallback(remedy="auto"), steps=40,
+                      log_every_n_steps=5)
+    lines = [r.getMessage() for r in caplog.records if "[lightning_stale]" in r.getMessage()]
+    report = next(line for line in lines if "bf16 weights (4 parameter(s))" in line)
+    assert re.search(r"at lr 0\.001 \(the largest lr of the lr schedule ahead, from step 2[01]\)", report), report
+    taken = [(int(m.group(2)), int(m.group(3))) for m in map(TAKE_OVER.search, lines) if m]
+    assert taken and all(step > 20 for step, _ in taken), lines
+    weights, stochastic = logged(trainer, "stale/remedy/weights"), logged(trainer, "stale/remedy/stochastic")
+    assert weights[-1] == sum(n for _, n in taken) and stochastic == weights
+    assert weights[:3] == [0.0, 0.0, 0.0]  # the rows through step 15: the warm-up
