@@ -250,7 +250,7 @@ class OptimizerPipeline:
             self.interventions.take_over_weights(self.writeback, rows, why, self.steps)
             if (free & ~chosen).any():
                 info(f"[lightning_stale] remedy: the weight write-back leaves {int((free & ~chosen).sum())} bf16/fp16 "
-                     "parameter(s) to the optimizer for now; it takes one over at a check step (every "
+                     "parameter(s) to the optimizer for now; it takes a parameter over at a check step (every "
                      f"{self.check_every} steps) where more than {self.remedy_stall_share()} of its weights are "
                      "measured to stall at a non-zero lr that has stopped rising")
 
