@@ -121,10 +121,10 @@ def test_lightning_bitsandbytes_checkpoint_matches_the_live_monitor(tmp_path, ca
     # the table and `period --state` read the same checkpoint
     rc, out, err = _inspect(capsys, str(path))
     assert rc == 0 and not err
-    assert "optimizer 0: bitsandbytes, 4 parameters (4 with state), state step 20" in out
+    assert "optimizer 0: Adam, AdamW or LAMB (bitsandbytes, 8-bit), 4 parameters (4 with state), state step 20" in out
     assert "policy TheoryReset" in out and "net.0.weight" in out and "live rho" in out
     rc, out, _ = (main(["period", "--state", str(path)]), *capsys.readouterr())
-    assert rc == 0 and "bitsandbytes 8-bit" in out
+    assert rc == 0 and "bitsandbytes 8-bit" in out and "stale but harmless" in " ".join(out.split())
 
 
 def test_lightning_quantized_adamw_fp8_checkpoint_with_resets(tmp_path, capsys):
@@ -316,3 +316,181 @@ def test_an_error_prints_nothing_else(tmp_path):
     expected = ("lightning-stale inspect: error: a checkpoint written by torch.save, found a text file (it starts "
                 f"with '101 reasons\\n'): '{tmp_path / 'notes.txt'}'")
     assert done.stderr.splitlines() == [expected]
+
+
+# -- what a newcomer reads: the optimizer's class, the weights' stall, the remedy per row, a legend -------------------
+
+def _bf16_run(optimizer: str = "AdamW", remedy: str | None = "auto", steps: int = 12):
+    """A bf16-true model with a LayerNorm (gains at 1.0: half their grid gap, 0.004, is above lr, so the automatic
+    remedy takes them over at fit start and nothing else); returns model, optimizer and monitor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 4)).to(torch.bfloat16)
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=1e-3, weight_decay=0.01)
+    monitor = StaleStateMonitor(opt, remedy=remedy, names=model, coverage_steps=50)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 32, generator=g, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+    return model, opt, monitor
+
+
+def _expected_weight_stall(weight: torch.Tensor, state: dict, group: dict, decoupled: bool) -> float:
+    """The share of elements (with m != 0) whose next AdamW update is under half the bf16 grid gap, counted here
+    from the saved tensors without the package."""
+    (b1, b2), lr, eps, step = group["betas"], group["lr"], group["eps"], float(state["step"])
+    m, v, w = state["exp_avg"].float(), state["exp_avg_sq"].float(), weight.float()
+    update = (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+    if decoupled:
+        update = update + group["weight_decay"] * w
+    exponent = torch.floor(torch.log2(w.abs().clamp(min=2.0**-126)))
+    gap = 2.0 ** (exponent - 7)  # bf16: 7 stored mantissa bits; subnormals share the smallest exponent's gap
+    keep = m != 0
+    return float(((update.abs() * lr < gap / 2) & keep).sum() / keep.sum())
+
+
+def test_a_bf16_true_checkpoint_shows_the_weights_stall_the_remedy_per_row_and_the_optimizer(tmp_path, capsys):
+    model, opt, monitor = _bf16_run()
+    path = tmp_path / "run.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "stale": monitor.state_dict()}, path)
+    report = build_report(str(path))
+    saved = report.optimizers[0]
+    assert saved.name == "AdamW (torch.optim)" and saved.lrs == [1e-3]
+    writeback = monitor._pipelines[0].writeback
+    named = dict(model.named_parameters())
+    state, group = opt.state_dict()["state"], opt.param_groups[0]
+    for p in saved.params:
+        taken = writeback.takes_over(named[p.name])
+        assert p.remedy == ("write-back (compensated, stochastic moments)" if taken else "none"), (p.name, p.remedy)
+        assert p.weight.format == "bf16" and p.weight.elements == named[p.name].numel()
+        expected = _expected_weight_stall(named[p.name].detach(), state[p.index], group, decoupled=True)
+        assert p.weight.stall == pytest.approx(expected, abs=1e-12), p.name
+    assert {p.name for p in saved.params if p.remedy != "none"} == {"1.weight"}  # the LayerNorm gain, at 1.0
+    rc, out, _ = _inspect(capsys, str(path))
+    assert rc == 0
+    assert "optimizer 0: AdamW (torch.optim), 6 parameters (6 with state), state step 12, betas (0.9, 0.999), " \
+           "lr 0.001" in out
+    assert "weight write-back: compensation buffers for 6 parameter(s), 1 of them taken over" in out
+    assert f"bf16 weights: 6 parameter(s) ({sum(p.numel() for p in model.parameters()):,} elements); at the saved " \
+           "lr 0.001, " in out
+    assert "w stall" in out and "write-back (compensated, stochastic moments)" in out
+    legend = out[out.index("what the columns mean:"):]
+    for term in ("rho-hat", "K*", "lone zero", "w stall", "remedy", "live rho"):
+        assert f"\n  {term}" in legend, term
+    assert "tolerance s0 = 0.6" in " ".join(legend.split())
+
+    # without the monitor's state the buffers tell it: a residual means the write-back wrote the weights
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "bare.pt")
+    rows = {p.name: p.remedy for p in build_report(str(tmp_path / "bare.pt")).optimizers[0].params}
+    assert rows == {name: "write-back (compensated)" if name == "1.weight" else "none" for name in named}
+
+
+def test_the_optimizer_class_is_read_from_the_saved_param_groups(tmp_path):
+    model, opt, _ = _bf16_run("Adam", remedy=None, steps=2)
+    torch.save(opt.state_dict(), tmp_path / "adam.pt")
+    report = build_report(str(tmp_path / "adam.pt"))
+    assert report.optimizers[0].name == "Adam (torch.optim)"
+    assert all(p.remedy is None and p.weight is None for p in report.optimizers[0].params)  # nothing to tell
+    assert "the checkpoint holds no model weights" in report.notes[-1]
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model[0](torch.randn(2, 32, dtype=torch.bfloat16)).float().sum().backward()
+    sgd.step()
+    torch.save(sgd.state_dict(), tmp_path / "sgd.pt")
+    assert build_report(str(tmp_path / "sgd.pt")).optimizers[0].name == "SGD (torch.optim)"
+
+
+def _litgpt_run(out: Path, steps: int = 4):
+    """A LitGPT model trained as ``litgpt pretrain`` does (Fabric, bf16-true, torch AdamW from the bare name
+    ``AdamW``), with the automatic remedy; saved as it saves: ``fabric.save(<dir>/lit_model.pth, state)`` beside
+    ``hyperparameters.yaml``. Returns the Fabric, the state and the callback."""
+    litgpt = pytest.importorskip("litgpt")
+    from lightning_stale.fabric import StaleStateFabricCallback
+
+    torch.manual_seed(0)
+    config = litgpt.Config(block_size=16, vocab_size=64, padded_vocab_size=64, n_layer=1, n_head=2, n_embd=32,
+                           rotary_percentage=1.0, bias=False)
+    callback = StaleStateFabricCallback(log_every_n_steps=0, remedy="auto")
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true", callbacks=[callback])
+    with fabric.init_module():
+        model = litgpt.GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (2, 17), generator=g)
+        logits = model(tokens[:, :-1])
+        fabric.backward(nn.functional.cross_entropy(logits.float().reshape(-1, 64), tokens[:, 1:].reshape(-1)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return fabric, {"model": model, "optimizer": optimizer, "iter_num": steps, "step_count": steps}, callback
+
+
+def test_litgpt_folders_are_read_or_named(tmp_path, capsys):
+    fabric, state, callback = _litgpt_run(tmp_path)
+    out = tmp_path / "out"
+    # pretraining: final/ and every step-*/ hold model, optimizer and counters
+    fabric.save(out / "final" / "lit_model.pth", state)
+    (out / "final" / "hyperparameters.yaml").write_text("optimizer: AdamW\nprecision: bf16-true\n")
+    report = build_report(str(out / "final"))  # the folder, as LitGPT's docs name it
+    assert report.kind == "LitGPT's lit_model.pth (optimizer state under 'optimizer')" and report.step == 4
+    saved = report.optimizers[0]
+    assert saved.name == "AdamW (torch.optim)"
+    assert report.names == "the model state_dict under 'model', matched by order and shape"
+    names = [p.name for p in saved.params]
+    assert names[0] == "lm_head.weight" or "transformer.wte.weight" in names
+    writeback = callback.monitors[next(iter(callback.monitors))]._pipelines[0].writeback
+    trained = dict(state["model"].module.named_parameters())
+    for p in saved.params:
+        assert p.weight is not None and p.weight.format == "bf16" and p.weight.stall is not None
+        taken = writeback.takes_over(trained[p.name])
+        assert p.remedy == ("write-back (compensated)" if taken else "none"), (p.name, p.remedy)
+    assert any(p.remedy != "none" for p in saved.params)  # the RMSNorm gains at 1.0 stall at lr 1e-3
+    rc, printed, err = _inspect(capsys, str(out / "final"))
+    assert rc == 0 and not err and "optimizer 0: AdamW (torch.optim)" in printed
+
+    # finetuning: final/ holds the model alone, step-*/ everything: the error names where the optimizer is
+    fabric.save(out / "step-000004" / "lit_model.pth", state)
+    fabric.save(out / "final" / "lit_model.pth", {"model": state["model"]})
+    rc, printed, err = _inspect(capsys, str(out / "final"))
+    assert rc == 2 and not printed
+    assert "LitGPT model weights only in" in err and str(out / "step-000004" / "lit_model.pth") in err
+    # the out_dir itself: the folders holding a lit_model.pth are named
+    rc, printed, err = _inspect(capsys, str(out))
+    assert rc == 2 and "final/lit_model.pth" in err and "step-000004/lit_model.pth" in err
+
+
+def test_a_folder_holding_one_checkpoint_file_is_read_and_several_are_named(tmp_path, capsys):
+    _, path = _fit(tmp_path, Tiny("bnb"), StaleStateCallback(), steps=3)
+    assert build_report(str(tmp_path)).kind == "a Lightning checkpoint"  # the folder holding last.ckpt
+    torch.save(torch.load(path, weights_only=True), tmp_path / "epoch=0.ckpt")
+    rc, out, err = _inspect(capsys, str(tmp_path))
+    assert rc == 2 and "a folder holding 2: epoch=0.ckpt, last.ckpt (pass one of them)" in err
+
+
+def test_a_hugging_face_bf16_checkpoint_with_the_automatic_remedy(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from lightning_stale.hf import add_stale_callback
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64,
+                                                                 n_positions=16)).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (32, 16), generator=g)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=8,
+                                          logging_steps=2, report_to=[], use_cpu=True, save_strategy="steps",
+                                          save_steps=4, disable_tqdm=True, learning_rate=1e-3)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    callback = add_stale_callback(trainer, remedy="auto")
+    trainer.train()
+    report = build_report(str(tmp_path / "checkpoint-4"))
+    saved = report.optimizers[0]
+    assert saved.name == "AdamW (torch.optim)"
+    writeback = callback.monitor._pipelines[0].writeback
+    trained = dict(model.named_parameters())
+    for p in saved.params:
+        taken = writeback.takes_over(trained[p.name])
+        assert p.remedy.startswith("write-back (compensated, stochastic moments)") == taken, (p.name, p.remedy)
+        assert p.weight is not None and p.weight.stall is not None  # the weights from model.safetensors
+    assert any(p.remedy.startswith("write-back") for p in saved.params)  # the LayerNorm gains
+    rc, out, _ = _inspect(capsys, str(tmp_path / "checkpoint-4"))
+    assert rc == 0 and "bf16 weights: " in out and "w stall" in out

@@ -127,9 +127,12 @@ class Interventions:
                 raise ListenerError(f"the reset listener {name} raised {type(error).__name__}: {error} (listeners "
                                     "are called with one argument, a ResetEvent)") from error
 
-    def foresee(self, remedy: Remedy, units: list[LedgerRow], step: int) -> None:
+    def foresee(self, remedy: Remedy, units: list[LedgerRow], step: int,
+                writeback: WeightWriteBack | None = None) -> None:
         """Before any measurement: the parameters whose v the remedy's theory expects to drift go to stochastic
-        rounding from the next step, where the optimizer has it; every choice is reported with its reason."""
+        rounding from the next step, where the optimizer has it; where it has not, those whose moments the weight
+        ``writeback`` computes (it took them over) already have it, and the others get it from the step it takes them
+        over. Every choice is reported with its reason."""
         roundings = self.adapter.roundings(u.param for u in units)
         betas = [None if u.driver() is None else u.driver().beta for u in units]
         reasons = {u.position: why for u, beta, rounding in zip(units, betas, roundings)
@@ -140,14 +143,35 @@ class Interventions:
         chosen = [ledger.rows[i] for i in reasons]
         by_reason = ", ".join(f"{why} x{n}" for why, n in Counter(reasons.values()).items())
         if self.adapter.use_stochastic_rounding(u.param for u in chosen):
-            choice = ledger.arrays["remedy"].copy()
-            choice[list(reasons)] = STOCHASTIC
-            ledger.set_remedy(choice)
+            self._set_stochastic([u.position for u in chosen])
             info(f"[lightning_stale] remedy: stochastic rounding from step {step + 1} for {len(chosen)} parameter(s) "
                  f"(e.g. {self._name(chosen[0])!r}): {by_reason}")
-        else:
+            return
+        name = type(self.adapter.optimizer).__name__
+        if writeback is None or writeback.moments != "stochastic":
             info(f"[lightning_stale] remedy: {len(chosen)} parameter(s) (e.g. {self._name(chosen[0])!r}): {by_reason};"
-                 f" {type(self.adapter.optimizer).__name__} cannot round stochastically: the measured drift decides")
+                 f" {name} cannot round stochastically: the measured drift decides")
+            return
+        taken = [u for u in chosen if ledger.arrays["weights"][u.position]]
+        waiting = [u for u in chosen if not ledger.arrays["weights"][u.position]]
+        self._set_stochastic([u.position for u in taken])
+        said = f"[lightning_stale] remedy: {len(chosen)} parameter(s) (e.g. {self._name(chosen[0])!r}): {by_reason}; "
+        if taken:
+            said += (f"{len(taken)} of them have stochastic rounding of their moments from the weight write-back, "
+                     "which took them over")
+        if waiting:
+            said += ("; " if taken else "") + (
+                f"{name} rounds the moments of {len(waiting)} to nearest: the weight write-back rounds them "
+                "stochastically from the step it takes them over (where their weights stall), the measured drift "
+                "decides until then")
+        info(said)
+
+    def _set_stochastic(self, positions: list[int]) -> None:
+        """Record stochastic rounding as the remedy of the parameters at ``positions`` (the guard, if on, stays)."""
+        choice = self.ledger.arrays["remedy"].copy()
+        rows = np.asarray(positions, dtype=np.int64)
+        choice[rows[choice[rows] != GUARD]] = STOCHASTIC
+        self.ledger.set_remedy(choice)
 
     def keep_guarding(self, check_every: int) -> None:
         """After a check step's readings: a parameter inside a guard window whose v still underflows keeps the guard
@@ -198,6 +222,8 @@ class Interventions:
         units = [self.ledger.rows[i] for i in rows]
         writeback.take_over(u.param for u in units)
         self.ledger.set_weights(rows)
+        if writeback.moments == "stochastic":  # the write-back computes their moments too, rounded stochastically
+            self._set_stochastic(list(rows))
         how = writeback.describe()
         info(f"[lightning_stale] remedy: weight write-back with {how} from step {step + 1} for "
              f"{len(units)} parameter(s) whose stored weights stall (e.g. {self._name(units[0])!r}: {why[0]})")

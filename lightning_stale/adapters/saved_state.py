@@ -5,9 +5,11 @@ count and the grid estimate's sample positions are the live ones. :func:`read_op
 every parameter of one optimizer ``state_dict`` (torch.optim, bitsandbytes two-state optimizers in 8 or 32 bits,
 torchao low-bit, lightning_stale's QuantizedAdamW, and any family added with :func:`register_saved_reader`, the
 offline twin of ``register_adapter``) with the format names the live adapters report.
-:func:`load_checkpoint` finds the optimizer state_dicts, the model's parameter names and the monitor's own saved
-state in what users have: a Lightning checkpoint, a ``torch.save``'d dict or bare state_dict, a Hugging Face
-checkpoint folder, a distributed checkpoint folder. :func:`load_v_sample` feeds ``lightning-stale period --state``.
+:func:`load_checkpoint` finds the optimizer state_dicts, the model's parameter names and weights and the monitor's
+own saved state in what users have: a Lightning checkpoint, a ``torch.save``'d dict or bare state_dict, LitGPT's
+``lit_model.pth``, a Hugging Face checkpoint folder, a distributed checkpoint folder, a folder holding one checkpoint
+file. :func:`optimizer_name` says which class saved a state, as far as it tells. :func:`load_v_sample` feeds
+``lightning-stale period --state``.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from lightning_stale.state import from_json, upgrade
 from lightning_stale.vocab import COMPENSATION_KEY
 
 BNB_NESTED_KEY = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state_dict nests its quantization state
-CHECKPOINT = ("an optimizer state_dict or a checkpoint holding one (a Lightning .ckpt, a torch.save'd dict, a Hugging "
-              "Face or distributed checkpoint folder)")
+CHECKPOINT = ("an optimizer state_dict or a checkpoint holding one (a Lightning .ckpt, a torch.save'd dict, LitGPT's "
+              "lit_model.pth, a Hugging Face or distributed checkpoint folder)")
 FAMILIES = "torch.optim, bitsandbytes, torchao or QuantizedAdamW"
 # torch.optim state keys read as moments: key -> (moment, the group entry holding its beta, index in it or None)
 TORCH_MOMENTS: dict[str, tuple[Moment, str | None, int | None]] = {
@@ -47,6 +49,8 @@ TORCH_MOMENTS: dict[str, tuple[Moment, str | None, int | None]] = {
 TORCH_FACTORS = ("row_var", "col_var")  # Adafactor's factored v of a matrix: (..., rows, 1) and (..., 1, cols)
 MODEL_BUFFERS = ("running_mean", "running_var")  # floating tensors of a model state_dict that no optimizer holds
 HF_MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+LITGPT_FILE = "lit_model.pth"  # LitGPT's checkpoint file, in its out_dir's final/ and step-*/ folders
+CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")  # a folder holding one file of these is read as that file
 MONITOR_CALLBACK = "StaleStateCallback"  # the Lightning callback's state keys start with its class name
 
 
@@ -66,6 +70,7 @@ class SavedParam:
     slots: list[Slot]
     step: int | None
     shape: tuple[int, ...] | None  # None where the state does not show it (QuantizedAdamW's packed fp4 codes)
+    compensation: Tensor | None = None  # the weight write-back's compensation buffer, where the state holds one
 
 
 @dataclass(eq=False)
@@ -77,6 +82,7 @@ class SavedOptimizer:
     idents: list[int | str]  # every parameter of the param groups, in order, with state or not
     groups: list[Mapping[str, Any]]
     compensated: int = 0  # parameters with a weight write-back compensation buffer (not a moment: no slot)
+    name: str = ""  # the optimizer's class, in words, as far as the saved state tells it
 
 
 def is_optimizer_state(value: Any) -> bool:
@@ -102,8 +108,51 @@ def read_optimizer(state_dict: Any, shapes: Mapping[int, tuple[int, ...]] | None
     for index, pid in enumerate(idents):
         entry = entries.get(pid, entries.get(str(pid)))  # a distributed checkpoint turns integer keys into strings
         if entry is not None:
-            params.append(reader.read_param(index, entry, group_of[pid], (shapes or {}).get(index)))
-    return SavedOptimizer(reader.family, params, idents, groups, compensated)
+            param = reader.read_param(index, entry, group_of[pid], (shapes or {}).get(index))
+            buffer = saved.get(pid, saved.get(str(pid), {})).get(COMPENSATION_KEY)
+            param.compensation = buffer if isinstance(buffer, Tensor) else None
+            params.append(param)
+    return SavedOptimizer(reader.family, params, idents, groups, compensated, optimizer_name(reader.family, entries,
+                                                                                            groups))
+
+
+def optimizer_name(family: str, entries: Entries, groups: Sequence[Mapping[str, Any]]) -> str:
+    """The optimizer's class as far as its saved state tells it, with its family: torch.optim's param groups name
+    their class by their keys (Adam and AdamW by ``decoupled_weight_decay``, which torch >= 2.6 saves); where the
+    state cannot tell classes apart, each candidate is named."""
+    group = groups[0] if groups else {}
+    keys = _keys(entries)
+    if family == "torch.optim":
+        decoupled = group.get("decoupled_weight_decay")
+        if "momentum_decay" in group:
+            name = "NAdam"
+        elif "amsgrad" in group:
+            name = "Adam or AdamW" if decoupled is None else "AdamW" if decoupled else "Adam"
+        elif "beta2_decay" in group or keys & {*TORCH_FACTORS, "variance"}:
+            name = "Adafactor"
+        elif "exp_inf" in keys:
+            name = "Adamax"
+        elif decoupled is not None and "betas" in group:
+            name = "RAdam"
+        elif "nesterov" in group or "momentum_buffer" in keys:
+            name = "SGD"
+        elif "centered" in group or "square_avg" in keys:
+            name = "RMSprop"
+        elif "lr_decay" in group or "sum" in keys:
+            name = "Adagrad"
+        else:
+            name = "Adam, AdamW, NAdam or RAdam"
+        return f"{name} (torch.optim)"
+    if family == "bitsandbytes":
+        codes = next((entry["state1"] for entry in entries.values() if isinstance(entry.get("state1"), Tensor)), None)
+        bits = "8-bit" if codes is not None and codes.dtype == torch.uint8 else "32-bit"
+        name = "AdEMAMix" if float(group.get("alpha") or 0.0) > 0 else "Adam, AdamW or LAMB"
+        return f"{name} (bitsandbytes, {bits})"
+    if family == "torchao":
+        return "Adam or AdamW (torchao, low-bit)"
+    if family == "lightning_stale":
+        return "QuantizedAdamW (lightning_stale)"
+    return family
 
 
 Entries = Mapping[Any, Mapping[str, Any]]  # a state_dict's per-parameter entries (bitsandbytes' nesting merged in)
@@ -361,6 +410,8 @@ class Checkpoint:
     monitors: list[MonitorPart | None] = field(default_factory=list)  # per optimizer
     step: int | None = None  # the training loop's step (Lightning global_step, Hugging Face global_step)
     notes: list[str] = field(default_factory=list)
+    weights: dict[str, Tensor] = field(default_factory=dict)  # the model's tensors by name, where the checkpoint has them
+    optimizer_name: str | None = None  # the optimizer's class where the checkpoint names it (LitGPT's hyperparameters)
 
 
 def describe(value: Any) -> str:
@@ -383,16 +434,61 @@ def load_checkpoint(path: str | Path, trusted: bool = False) -> Checkpoint:
             return _distributed(path, trusted)
         if (path / "optimizer.pt").is_file():
             return _hugging_face(path, trusted)
+        if (path / LITGPT_FILE).is_file():
+            return _litgpt(path / LITGPT_FILE, trusted)
         names = sorted(p.name for p in path.iterdir())
+        files = [name for name in names if name.endswith(CHECKPOINT_SUFFIXES) and (path / name).is_file()]
+        if len(files) == 1:
+            return load_checkpoint(path / files[0], trusted)
+        if files:
+            raise SavedStateError("one checkpoint file", f"a folder holding {len(files)}: {_listing(files)} (pass one "
+                                  f"of them): {str(path)!r}")
+        nested = sorted(str(p.relative_to(path)) for p in path.glob(f"*/{LITGPT_FILE}"))
+        if nested:
+            raise SavedStateError(f"a checkpoint folder (for a LitGPT out_dir, the folder of one {LITGPT_FILE})",
+                                  f"LitGPT's out_dir holding {_listing(nested)}: {str(path)!r}")
         if any(name in HF_MODEL_FILES or name == "config.json" for name in names):
             found = "a Hugging Face model folder without optimizer.pt (model weights only)"
         else:
             found = f"a folder holding {_listing(names)}" if names else "an empty folder"
-        raise SavedStateError("a checkpoint folder (a Hugging Face checkpoint with optimizer.pt, or a distributed "
-                              "checkpoint with .metadata)", f"{found}: {str(path)!r}")
+        raise SavedStateError("a checkpoint folder (a Hugging Face checkpoint with optimizer.pt, LitGPT's with "
+                              f"{LITGPT_FILE}, a distributed checkpoint with .metadata, or one .ckpt/.pt/.pth file)",
+                              f"{found}: {str(path)!r}")
     if not path.exists():
         raise SavedStateError("a checkpoint file or folder", f"nothing at {str(path)!r}")
+    if path.name == LITGPT_FILE:
+        return _litgpt(path, trusted)
     return _from_object(load_file(path, trusted), "a torch.save'd dict")
+
+
+def _litgpt(file: Path, trusted: bool) -> Checkpoint:
+    """A LitGPT checkpoint file (``lit_model.pth``): ``litgpt pretrain`` saves model, optimizer and counters in every
+    ``step-*`` folder and in ``final``; the finetuning scripts save the model alone in ``final`` (and everything in
+    ``step-*``). The optimizer class comes from ``hyperparameters.yaml`` beside it, where present."""
+    obj = load_file(file, trusted)
+    if _is_model_state(obj) or (isinstance(obj, Mapping) and set(obj) == {"model"}):
+        steps = sorted(file.parent.parent.glob(f"step-*/{LITGPT_FILE}"), reverse=True)  # the latest first
+        hint = (f"; the step folders beside it hold it: {_listing([str(step) for step in steps])}" if steps else
+                f"; LitGPT saves it with the model in step-*/{LITGPT_FILE} (after pretraining in final/ too)")
+        raise SavedStateError("a checkpoint with optimizer state", f"LitGPT model weights only in {str(file)!r}{hint}")
+    checkpoint = _from_object(obj, f"LitGPT's {LITGPT_FILE}")
+    if isinstance(obj, Mapping) and isinstance(obj.get("step_count"), int):
+        checkpoint.step = obj["step_count"]
+    checkpoint.optimizer_name = _litgpt_optimizer(file.parent / "hyperparameters.yaml")
+    return checkpoint
+
+
+def _litgpt_optimizer(file: Path) -> str | None:
+    """The optimizer LitGPT's ``hyperparameters.yaml`` names (``optimizer: AdamW`` or a ``class_path``), if any."""
+    try:
+        import yaml
+
+        optimizer = (yaml.safe_load(file.read_text()) or {}).get("optimizer") if file.is_file() else None
+    except Exception:  # noqa: BLE001 - no yaml, or a file it cannot read: the class is then read from the state
+        return None
+    if isinstance(optimizer, Mapping):
+        optimizer = optimizer.get("class_path")
+    return str(optimizer) if isinstance(optimizer, str) and optimizer else None
 
 
 def _listing(names: Sequence[str]) -> str:
@@ -466,6 +562,7 @@ def _from_object(obj: Any, kind: str) -> Checkpoint:
     model = next(((str(key), value) for key, value in _values(obj) if _is_model_state(value)), None)
     if model is not None:
         checkpoint.orders.append((f"the model state_dict under {model[0]!r}", _model_order(model[1])))
+        checkpoint.weights = dict(model[1])
     checkpoint.monitors = _monitors_in(obj, len(optimizers), checkpoint.notes)
     return checkpoint
 
@@ -501,6 +598,7 @@ def _lightning(obj: Mapping[str, Any], optimizers: list[Any], kind: str) -> Chec
     checkpoint = Checkpoint(kind, optimizers, step=_step(obj.get("global_step")))
     if isinstance(obj.get("state_dict"), Mapping):
         checkpoint.orders.append(("the checkpoint's state_dict", _model_order(obj["state_dict"])))
+        checkpoint.weights = {k: v for k, v in obj["state_dict"].items() if isinstance(v, Tensor)}
     callbacks = obj.get("callbacks") or {}
     states = [(key, value) for key, value in callbacks.items() if str(key).startswith(MONITOR_CALLBACK)]
     if len(states) > 1:
@@ -558,6 +656,9 @@ def _hugging_face(folder: Path, trusted: bool) -> Checkpoint:
         model = load_file(folder / "pytorch_model.bin", trusted)
         if _is_model_state(model):
             checkpoint.orders.append(("pytorch_model.bin", _model_order(model)))
+            checkpoint.weights = dict(model)
+    elif (folder / "model.safetensors").is_file():
+        checkpoint.weights = _safetensors(folder / "model.safetensors")
     trainer_state = folder / "trainer_state.json"
     saved = None
     if trainer_state.is_file():
@@ -571,6 +672,17 @@ def _hugging_face(folder: Path, trusted: bool) -> Checkpoint:
     else:
         checkpoint.monitors = [None]
     return checkpoint
+
+
+def _safetensors(file: Path) -> dict[str, Tensor]:
+    """The tensors of a safetensors file by name (empty without the safetensors package or for a file it cannot
+    read: the weights are then left out of the report)."""
+    try:
+        from safetensors.torch import load_file as load_safetensors
+
+        return load_safetensors(str(file))
+    except Exception:  # noqa: BLE001 - weights are optional to the report
+        return {}
 
 
 def _distributed(folder: Path, trusted: bool) -> Checkpoint:

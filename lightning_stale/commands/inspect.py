@@ -4,9 +4,13 @@ The checkpoint is read by :mod:`lightning_stale.adapters.saved_state` with the l
 stored moment of each parameter is measured as the live monitor sees it: its format, the share stored as exact zero and
 as zero while the other moment is not (for v, the underflow precondition), the share at the ends of its grid, rho-hat
 (the closed form for float formats, else ``slot_theory.estimate_rho`` on the sample the live monitor reads, from the
-same unit key) and K* (``slot_theory.reset_period``). The monitor's own saved state, when the checkpoint has one, adds
-each parameter's steps since its last reset, period, resets and remedy. Output: a table (riskiest parameters first),
-JSON, and a per-parameter figure.
+same unit key) and K* (``slot_theory.reset_period``). Where the checkpoint holds the model's bf16/fp16 weights, each
+one's stall: the share of its elements whose next update, from the saved moments at the saved lr, is under half its
+grid gap (``weight_theory.predicted_stall``). Per parameter, the remedy the checkpoint carries: the weight write-back
+(the monitor's saved write-back state, else a compensation buffer holding a residual) and the remedy's choice. The
+monitor's own saved state, when the checkpoint has one, adds each parameter's steps since its last reset, period and
+resets. The optimizer's class comes from its saved param groups. Output: a table (riskiest parameters first) with a
+legend in plain words, JSON, and a per-parameter figure.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,11 +30,14 @@ if TYPE_CHECKING:
 HELP = ("Report how stale the optimizer states saved in a checkpoint are, per parameter and moment: a table, JSON or "
         "a figure.")
 RISK_ORDER = "v underflow share, then rho-hat, largest first"
+WEIGHT_SAMPLE = 1 << 20  # weight elements read per parameter at most for the weight-stall share
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="a Lightning .ckpt, a torch.save'd dict or optimizer state_dict, a Hugging Face "
-                                     "checkpoint folder (optimizer.pt) or a distributed checkpoint folder (.metadata)")
+    parser.add_argument("path", help="a Lightning .ckpt, a torch.save'd dict or optimizer state_dict, LitGPT's "
+                                     "lit_model.pth (or its folder), a Hugging Face checkpoint folder (optimizer.pt), "
+                                     "a distributed checkpoint folder (.metadata) or a folder holding one checkpoint "
+                                     "file")
     parser.add_argument("--json", action="store_true",
                         help="print the whole report as JSON (every parameter) instead of the table")
     parser.add_argument("--plot", metavar="FILE", default=None,
@@ -93,6 +101,18 @@ class MomentRow:
 
 
 @dataclass
+class WeightRow:
+    """A parameter's stored weights where the checkpoint holds them in bf16/fp16: the share of its elements whose next
+    update (from the saved moments, at the saved lr) is under half their grid gap, so nearest rounding keeps them."""
+
+    format: str
+    elements: int
+    lr: float | None
+    stall: float | None  # None where it cannot be predicted (no Adam-like moments)
+    counted: int  # elements the share is over (those with a non-zero m)
+
+
+@dataclass
 class ParamRow:
     """One parameter with saved state."""
 
@@ -104,6 +124,8 @@ class ParamRow:
     step: int | None  # the state's own step counter
     moments: list[MomentRow]
     monitor: dict[str, Any] | None = None  # the monitor's saved fields for this parameter (age, period, ...; nan: None)
+    remedy: str | None = None  # what the checkpoint carries for it (the write-back, the remedy's choice); None: unknown
+    weight: WeightRow | None = None
 
     @property
     def risk(self) -> tuple[float, float]:
@@ -124,7 +146,9 @@ class OptimizerReport:
     betas: list[float] | None
     params: list[ParamRow]
     monitor: dict[str, Any] | None = None  # source, policy, steps, reset events, remedy resets
-    compensated: int = 0  # parameters whose weights the write-back keeps by compensated summation
+    compensated: int = 0  # parameters with a compensation buffer of the weight write-back
+    name: str = ""  # the optimizer's class, as far as the checkpoint tells it
+    lrs: list[float] = field(default_factory=list)  # each param group's saved lr
 
 
 @dataclass
@@ -155,6 +179,7 @@ def build_report(path: str, s0: float = 0.6, trusted: bool = False) -> Report:
         raise ValueError(f"optimizer state for at least one parameter, found {checkpoint.kind} whose optimizer "
                          "state is empty (saved before the first optimizer step?)")
     names, names_note, shapes = _names(checkpoint, optimizers)
+    matched = not names_note.startswith("by position")
     reports = []
     for i, (state_dict, saved, part) in enumerate(zip(checkpoint.optimizers, optimizers, checkpoint.monitors or
                                                       [None] * len(optimizers))):
@@ -162,14 +187,104 @@ def build_report(path: str, s0: float = 0.6, trusted: bool = False) -> Report:
         if missing:  # shapes the state does not show (packed fp4 codes), from the matched model
             saved = read_optimizer(state_dict, missing)
         ledger = part.state.get("ledger", {}) if part is not None else {}
+        writeback = part.state.get("weights") if part is not None else None
         prefix = f"opt{part.index if part is not None else i}"
-        rows = [_param_row(i, p, f"{prefix}.{p.index}", names[i][p.index], s0, ledger.get(f"{prefix}.{p.index}"))
-                for p in saved.params]
+        groups = [group for group in saved.groups for _ in group.get("params", [])]  # each position's group
+        name = _named(saved.name, saved.family, checkpoint.optimizer_name)
+        decoupled = name.startswith("AdamW") or saved.family == "lightning_stale"  # unless a group says otherwise
+        rows = []
+        for p in saved.params:
+            unit = f"{prefix}.{p.index}"
+            row = _param_row(i, p, unit, names[i][p.index], s0, ledger.get(unit))
+            weight = checkpoint.weights.get(names[i][p.index]) if matched else None
+            row.weight = _weight_row(p, weight, groups[p.index], unit, decoupled)
+            row.remedy = _remedy(p, row.monitor, writeback, weight)
+            rows.append(row)
         betas = saved.groups[0].get("betas") if saved.groups else None
         reports.append(OptimizerReport(i, saved.family, len(saved.idents),
                                        [float(b) for b in betas] if betas is not None else None, rows,
-                                       _monitor_summary(part), saved.compensated))
-    return Report(str(path), checkpoint.kind, checkpoint.step, s0, names_note, reports, list(checkpoint.notes))
+                                       _monitor_summary(part), saved.compensated, name,
+                                       [float(g["lr"]) for g in saved.groups if "lr" in g]))
+    notes = list(checkpoint.notes)
+    if not checkpoint.weights:
+        notes.append("the checkpoint holds no model weights: no weight-stall figures (w stall)")
+    return Report(str(path), checkpoint.kind, checkpoint.step, s0, names_note, reports, notes)
+
+
+def _named(name: str, family: str, configured: str | None) -> str:
+    """The optimizer's class: from its saved state, unless that leaves candidates ("Adam or AdamW") and the run's
+    configuration names one of the same family (LitGPT's bare names are torch.optim classes). A configuration of
+    another family is not trusted: LitGPT writes it from the command line, which a script calling it does not use."""
+    if configured is None or " or " not in name:
+        return name
+    module, _, short = configured.rpartition(".")
+    root = (module or "torch.optim").split(".")[0]
+    if {"torch": "torch.optim", "bitsandbytes": "bitsandbytes", "torchao": "torchao",
+            "lightning_stale": "lightning_stale"}.get(root) != family or short not in name.replace(",", " ").split():
+        return name
+    return f"{short} ({family}, as hyperparameters.yaml names it)"
+
+
+def _weight_row(saved: SavedParam, weight: Any, group: Mapping[str, Any], unit: str,
+                decoupled: bool) -> WeightRow | None:
+    """The weight-stall share of a parameter whose bf16/fp16 weights the checkpoint holds: its next update from the
+    saved moments and group (``weight_theory.predicted_stall``, nearest rounding) on a sample of its elements."""
+    import torch
+
+    from lightning_stale.adapters.sampling import choose_sample
+    from lightning_stale.decide import weight_theory
+    from lightning_stale.measure.units import weight_slot
+
+    if not isinstance(weight, torch.Tensor) or saved.shape is None or tuple(weight.shape) != tuple(saved.shape):
+        return None
+    slot = weight_slot(weight)
+    if slot is None:  # fp32 weights: no update of about lr rounds away
+        return None
+    lr = float(group["lr"]) if "lr" in group else None
+    row = WeightRow(slot.format, weight.numel(), lr, None, 0)
+    by_moment: dict[str, Any] = {}
+    for state in saved.slots:
+        by_moment.setdefault(state.moment, state)
+    m, v = by_moment.get("m"), by_moment.get("v")
+    if m is None or v is None or v.beta is None or lr is None or "betas" not in group or "eps" not in group:
+        return row  # no Adam-like update to predict from
+    sample = choose_sample(unit, tuple(weight.shape), None if weight.numel() <= WEIGHT_SAMPLE else WEIGHT_SAMPLE, 0)
+    decoupled = bool(group.get("decoupled_weight_decay", decoupled))
+    try:
+        stalls, counted = weight_theory.predicted_stall(slot, m, v, sample, group, saved.step or 1, decoupled,
+                                                        False).tolist()
+    except Exception:  # noqa: BLE001 - a layout whose values cannot be read here: no figure
+        return row
+    row.stall, row.counted = (stalls / counted if counted else None), int(counted)
+    return row
+
+
+def _remedy(saved: SavedParam, monitor: dict[str, Any] | None, writeback: Mapping[str, Any] | None,
+            weight: Any) -> str | None:
+    """What the checkpoint carries for one parameter, in words: the weight write-back where it took the parameter
+    over (the monitor's saved write-back state, else a compensation buffer holding a residual), then the remedy's
+    choice (guard, stochastic, reset); "none" where the checkpoint shows nothing was applied; None where it cannot
+    tell (no monitor state, no buffer)."""
+    import torch
+
+    moments = "nearest"
+    if writeback is not None:  # the monitor's own record: the parameters taken over (None: every bf16/fp16 one)
+        how, moments = str(writeback.get("rounding", "compensated")), str(writeback.get("moments", "nearest"))
+        chosen = writeback.get("params")
+        low = saved.compensation is not None or (isinstance(weight, torch.Tensor) and weight.dtype in
+                                                 (torch.bfloat16, torch.float16))
+        taken = saved.index in chosen if chosen is not None else low
+    else:
+        how = "compensated"
+        taken = saved.compensation is not None and bool(saved.compensation.ne(0).any())
+    parts = [f"write-back ({how}{', stochastic moments' if moments == 'stochastic' else ''})"] if taken else []
+    chosen_remedy = (monitor or {}).get("remedy")
+    if chosen_remedy not in (None, "none") and not (taken and chosen_remedy == "stochastic" and
+                                                    moments == "stochastic"):
+        parts.append(str(chosen_remedy))
+    if parts:
+        return " + ".join(parts)
+    return "none" if monitor is not None or saved.compensation is not None else None
 
 
 def _param_row(optimizer: int, saved: SavedParam, unit: str, name: str, s0: float,
@@ -277,11 +392,14 @@ def _finite(value: Any) -> Any:
 
 # -- the table -------------------------------------------------------------------------------------------------------
 COLUMNS = ("parameter", "moment", "format", "elements", "zero", "lone zero", "bottom", "top", "rho-hat", "K*", "step")
-MONITOR_COLUMNS = ("live rho", "since reset", "period", "resets", "remedy")
+WEIGHT_COLUMNS = ("w stall",)
+MONITOR_COLUMNS = ("live rho", "since reset", "period", "resets")
+REMEDY_COLUMNS = ("remedy",)
 
 
 def render(report: Report, top: int = 20) -> list[str]:
-    """The printed report: what was read, then one row per moment of the ``top`` riskiest parameters."""
+    """The printed report: what was read, then one row per moment of the ``top`` riskiest parameters, then what the
+    columns mean."""
     steps = sorted({p.step for o in report.optimizers for p in o.params if p.step is not None})
     lines = [f"lightning-stale inspect: {report.path}",
              f"  {report.kind}" + (f", global step {report.step:,}" if report.step is not None else "")]
@@ -290,11 +408,19 @@ def render(report: Report, top: int = 20) -> list[str]:
         betas = f", betas {tuple(o.betas)}" if o.betas else ""
         own = sorted({p.step for p in o.params if p.step is not None})
         step = f", state step{'s' if len(own) > 1 else ''} {_range(own)}" if own else ""
-        family = "QuantizedAdamW (lightning_stale)" if o.family == "lightning_stale" else o.family
-        lines.append(f"  optimizer {o.index}: {family}, {o.parameters} parameters ({with_state} with state){step}"
-                     f"{betas}")
+        lrs = sorted(set(o.lrs))
+        lr = "" if not lrs else f", lr {lrs[0]:.3g}" if len(lrs) == 1 else f", lr {lrs[0]:.3g} to {lrs[-1]:.3g}"
+        lines.append(f"  optimizer {o.index}: {o.name or o.family}, {o.parameters} parameters ({with_state} with "
+                     f"state){step}{betas}{lr}")
         if o.compensated:
-            lines.append(f"    weight write-back: compensation buffers for {o.compensated} parameter(s)")
+            taken = sum(1 for p in o.params if p.remedy is not None and p.remedy.startswith("write-back"))
+            lines.append(f"    weight write-back: compensation buffers for {o.compensated} parameter(s), {taken} of "
+                         "them taken over (remedy column)")
+        weights = [p.weight for p in o.params if p.weight is not None]
+        if weights:
+            kept = sum(1 for p in o.params if p.weight is not None and (p.remedy or "").startswith("write-back"))
+            lines.append("    " + _weights_line(weights) + (f"; the write-back writes {kept} of them exactly" if kept
+                                                               else ""))
         if o.monitor is not None:
             m = o.monitor
             policy = "no reset policy" if m["policy"] in (None, "None") else f"policy {m['policy']}"
@@ -308,26 +434,80 @@ def render(report: Report, top: int = 20) -> list[str]:
     params = sorted((p for o in report.optimizers for p in o.params), key=lambda p: p.risk, reverse=True)
     shown = params if top == 0 else params[:top]
     monitor = any(p.monitor is not None for p in params)
-    header = COLUMNS + (MONITOR_COLUMNS if monitor else ())
+    weight = any(p.weight is not None for p in params)
+    remedy = any(p.remedy is not None for p in params)
+    header = COLUMNS + (WEIGHT_COLUMNS if weight else ()) + (MONITOR_COLUMNS if monitor else ()) + \
+        (REMEDY_COLUMNS if remedy else ())
     table = [[_cell(p, m, column, first) for column in header]
              for p in shown for first, m in zip([True] + [False] * len(p.moments), p.moments)]
     widths = [max(len(column), *(len(row[k]) for row in table)) for k, column in enumerate(header)]
     lines += ["", f"parameters by risk ({RISK_ORDER})" + (f", {len(shown)} of {len(params)} (--top 0 for all)"
                                                           if len(shown) < len(params) else ""), ""]
-    lines += [_line(header, widths), "-" * (sum(widths) + 2 * (len(widths) - 1))]
-    lines += [_line(row, widths) for row in table]
-    lines += ["", ("zero: stored as exactly zero; lone zero: zero while the other moment is not (v: the underflow "
-                   "precondition, m / eps blows up);"),
-              ("bottom / top: at the smallest non-zero / the largest magnitude of the grid (per block where scaled); "
-               "step: the state's own step counter"),
-              *(["live rho (of v, else m), since reset, period, resets, remedy: the monitor's saved state"]
-                if monitor else [])]
-    return lines
+    lines += [_line(header, widths, header), "-" * (sum(widths) + 2 * (len(widths) - 1))]
+    lines += [_line(row, widths, header) for row in table]
+    return lines + ["", *legend(report.s0, weight, monitor, remedy)]
 
 
-def _line(cells: Sequence[str], widths: list[int]) -> str:
+def _weights_line(weights: list[WeightRow]) -> str:
+    """The optimizer's bf16/fp16 weights in one line: how many would not move at the next step."""
+    formats = "/".join(sorted({w.format for w in weights}))
+    elements = sum(w.elements for w in weights)
+    known = [w for w in weights if w.stall is not None and w.counted]
+    head = f"{formats} weights: {len(weights)} parameter(s) ({elements:,} elements)"
+    if not known:
+        return f"{head}; their stall needs Adam-like moments to predict the next update from"
+    share = sum(w.stall * w.counted for w in known) / sum(w.counted for w in known)
+    lrs = sorted({w.lr for w in known if w.lr is not None})
+    at = f"at the saved lr {lrs[0]:.3g}" if len(lrs) == 1 else "at the saved lrs"
+    return f"{head}; {at}, {share:.0%} of their elements would not move at the next step under nearest rounding (w stall)"
+
+
+def legend(s0: float, weight: bool, monitor: bool, remedy: bool) -> list[str]:
+    """What the columns mean, in plain words."""
+    lines = [
+        "what the columns mean:",
+        "  moment       the optimizer state read: m, the running average of the gradients; v, the running average of "
+        "their squares (and its key in the state)",
+        "  format       how it is stored (bf16, fp8_e4m3, int8_dynamic: an 8-bit code map with one scale per block, "
+        "...)",
+        "  zero         share of elements stored as exactly zero",
+        "  lone zero    share stored as zero while the other moment is not: for v, m / (sqrt(v) + eps) then turns a "
+        "small m into a step of up to lr * m / eps (underflow)",
+        "  bottom/top   share at the smallest non-zero / the largest value the grid holds (per block where scaled): "
+        "one step from underflow / saturated",
+        "  rho-hat      how coarse the storage grid is for this running average: its relative grid gap over what one "
+        "step can move it, 2 (1 - beta); at 1 or more, most steps of a settled state change it by less than half a "
+        "gap and round back, so it stalls",
+        f"  K*           the reset period (steps) the paper's theory gives for that state: after about K* steps the "
+        f"stalled share built up since a reset (beyond the tolerance s0 = {s0:g}) outweighs what restarting the "
+        "average costs; '-' where rho-hat < 1 (no reset called for) or no theory applies. A prediction, not a "
+        "measured gain: `lightning-stale period` says where resets paid in this project's measurements",
+        "  step         the state's own step counter",
+    ]
+    if weight:
+        lines.append("  w stall      for weights stored in bf16/fp16: share of elements whose next update, from the "
+                     "saved moments at the saved lr, is under half their grid gap (nearest rounding keeps them)")
+    if monitor:
+        lines.append("  live rho, since reset, period, resets   from the monitor's saved state: rho-hat as the live "
+                     "monitor knew it, steps since the parameter's last reset, its reset period, resets so far")
+    if remedy:
+        lines.append("  remedy       what the checkpoint carries for the parameter: write-back (the weight write-back "
+                     "computes its step in fp32 and keeps the weight by compensated summation or stochastic rounding; "
+                     "its buffer is in the optimizer state), guard (the underflow guard), stochastic (its moments "
+                     "are rounded stochastically), reset (the remedy reset it), none")
+    return [wrapped for line in lines for wrapped in textwrap.wrap(line, LEGEND_WIDTH, subsequent_indent=" " * 15)]
+
+
+LEGEND_WIDTH = 118
+
+
+TEXT_COLUMNS = ("parameter", "moment", "format", "remedy")
+
+
+def _line(cells: Sequence[str], widths: list[int], header: Sequence[str]) -> str:
     """Text columns left-aligned, numbers right-aligned."""
-    return "  ".join(c.ljust(w) if k < 3 else c.rjust(w) for k, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return "  ".join(c.ljust(w) if column in TEXT_COLUMNS else c.rjust(w)
+                     for c, w, column in zip(cells, widths, header)).rstrip()
 
 
 def _range(values: list[int]) -> str:
@@ -352,7 +532,8 @@ def _cell(p: ParamRow, m: MomentRow, column: str, first: bool) -> str:
         "since reset": _number(monitor.get("age")) if first else "",
         "period": _number(monitor.get("period")) if first else "",
         "resets": _number(monitor.get("resets")) if first else "",
-        "remedy": str(monitor.get("remedy", "-")) if first and p.monitor is not None else "",
+        "w stall": ("-" if p.weight is None else _percent(p.weight.stall)) if first else "",
+        "remedy": (p.remedy or "-") if first else "",
     }
     return values[column]
 

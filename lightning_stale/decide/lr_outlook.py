@@ -90,4 +90,26 @@ def below_from(path: np.ndarray, lr: float) -> int | None:
     return start if start < len(path) else None
 
 
-__all__ = ["UNKNOWN_LAST_STEP", "below_from", "lr_path"]
+class LrOutlook:
+    """A followed schedule's lrs ahead, per param group: ``path`` from :func:`lr_path`, whose row k is the lr of
+    optimizer step ``start + k * every``. The automatic remedy's weight decision reads the lr the parameters will
+    train at from it, not the lr of the step it happens to decide at (0 at the start of a warm-up)."""
+
+    def __init__(self, path: np.ndarray, start: int, every: int) -> None:
+        self.path, self.start, self.every = path, start, every
+
+    def peak(self, group: int) -> tuple[float, int]:
+        """The largest lr of ``group`` over the path and the first optimizer step that has it."""
+        row = int(np.argmax(self.path[:, group]))
+        return float(self.path[row, group]), self.start + row * self.every
+
+    def ahead(self, step: int, steps: int) -> np.ndarray | None:
+        """Each group's largest lr over optimizer steps ``step + 1`` to ``step + steps``, None where the path does not
+        reach them."""
+        first, last = (step + 1 - self.start) // self.every, (step + steps - self.start) // self.every
+        if first < 0 or last >= len(self.path):
+            return None
+        return self.path[first:last + 1].max(axis=0)
+
+
+__all__ = ["UNKNOWN_LAST_STEP", "LrOutlook", "below_from", "lr_path"]

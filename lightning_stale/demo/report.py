@@ -84,8 +84,8 @@ def format_table(results: Sequence[RunResult], reference: str = "fp32") -> str:
                  + (" v underflow: mean share of v stored as exactly zero while its gradient was not."
                     if "v underflow" in headers else ""))
     if "auto: w/guard/SR/reset" in headers:
-        notes.append("auto: at the end, parameters whose weights the automatic remedy writes / it guards / it "
-                     "switched to stochastic rounding, and the resets it made.")
+        notes.append("auto: at the end, parameters whose weights the automatic remedy writes / it guards / whose "
+                     "moments it rounds stochastically (the weight write-back's included), and the resets it made.")
     return "\n".join(lines + [""] + notes)
 
 

@@ -8,6 +8,8 @@ Definitions (per slot, per measured step):
 - **underflow** (second moments): the stored value is exactly zero (its zero code) while the gradient was finite
   and non-zero, the precondition of the ``m / (sqrt(v) + eps)`` blow-up. Grids without a zero never underflow.
 - **drift**: see :mod:`lightning_stale.measure.drift`.
+- **non-finite** (per parameter, on logging steps): sampled weights that hold NaN/Inf
+  (:mod:`lightning_stale.measure.finite`).
 
 How the cost stays independent of the number of tensors: samples are strided views
 (:mod:`lightning_stale.adapters.sampling`), so reading a slot's sampled codes launches nothing. The parameters are split
@@ -18,8 +20,8 @@ gradient views of the cohort.
 
 Host synchronisation happens only when batch plans are built (the first measurement of each cohort after the
 optimizer state changes: zero codes of 8-bit maps are looked up once) and in the readouts (:meth:`StallEngine.window`,
-:meth:`StallEngine.take_recent`, :meth:`StallEngine.drift`, :meth:`StallEngine.signals`); never in the step hooks
-otherwise.
+:meth:`StallEngine.take_recent`, :meth:`StallEngine.drift`, :meth:`StallEngine.signals`,
+:meth:`StallEngine.nonfinite`); never in the step hooks otherwise.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.adapters.sampling import choose_sample
 from lightning_stale.measure.counting import Batch, Counts, plan_batches
 from lightning_stale.measure.drift import DriftPanel
+from lightning_stale.measure.finite import nonfinite
 from lightning_stale.measure.units import Entry, TrackedParam, driver_group, driver_slot, weight_slot
 from lightning_stale.vocab import WEIGHT
 
@@ -198,6 +201,10 @@ class StallEngine:
     def reset_window(self) -> None:
         """Start a new window of per-slot totals."""
         self.counts.reset_window()
+
+    def nonfinite(self) -> np.ndarray:
+        """Per tracked parameter, whether its sampled weights hold NaN/Inf now (bool, host; one read per device)."""
+        return nonfinite(self.tracked)
 
     def take_recent(self, reader: str) -> np.ndarray:
         """Sampled (stalled, counted, underflow) counts of every slot since ``reader``'s previous call, (rows, 3) on

@@ -55,21 +55,24 @@ def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, ledger: Led
     return "\n".join(lines)
 
 
-def weight_report(formats: list[str], past: list[float], stop_lrs: list[float], lr: float,
+def weight_report(formats: list[str], past: list[float], stop_lrs: list[float], lr: float | None, basis: str,
                   path: np.ndarray | None = None, step: int = 0, every: int = 1) -> str:
-    """One line per format of stored weights: the share of their sampled elements past the threshold at the current
-    ``lr`` (an update of about lr rounds away) and the median learning rate below which a parameter's weights stop
-    moving (the median over parameters of each one's median half grid gap); with their group's lr ``path`` from the
-    scheduler (item k: the lr of optimizer step ``step + k * every``), the step from which it stays below that."""
+    """One line per format of stored weights: the share of their sampled elements past the threshold at ``lr``, the
+    lr they will train at (``basis``: which lr that is, in words; None: none to judge at), where an update of about lr
+    rounds away, and the median learning rate below which a parameter's weights stop moving (the median over
+    parameters of each one's median half grid gap); with their group's lr ``path`` from the scheduler (item k: the lr
+    of optimizer step ``step + k * every``), the step from which it stays below that."""
     lines = []
     for fmt in dict.fromkeys(formats):
         rows = [i for i, f in enumerate(formats) if f == fmt]
         share = sum(past[i] for i in rows) / len(rows)
         known = sorted(stop_lrs[i] for i in rows if stop_lrs[i] == stop_lrs[i])  # nan: an empty shard here
         stop = known[len(known) // 2] if known else float("nan")
-        line = (f"[lightning_stale] {fmt} weights ({len(rows)} parameter(s)): at lr {lr:.3g} {share:.0%} of "
-                f"their elements are past the threshold where an update of about lr rounds away (nearest "
-                f"rounding); a parameter's median weight stops moving below lr {stop:.3g} (median over parameters)")
+        judged = (f"{basis}: no share past the threshold is judged at lr 0" if lr is None else
+                  f"at lr {lr:.3g} ({basis}) {share:.0%} of their elements are past the threshold where an update of "
+                  "about lr rounds away (nearest rounding)")
+        line = (f"[lightning_stale] {fmt} weights ({len(rows)} parameter(s)): {judged}; a parameter's median weight "
+                f"stops moving below lr {stop:.3g} (median over parameters)")
         if path is not None and stop == stop:
             below = below_from(path, stop)
             line += (f"; the lr schedule stays below it from step {step + below * every}" if below is not None else

@@ -21,9 +21,10 @@ from lightning_stale.decide.remedies import GUARD, REMEDIES, RESET, STOCHASTIC
 from lightning_stale.measure.counting import COUNTED, MEASURED, STALLED, UNDERFLOW
 
 # Per moment, the reduced vector holds: the engine's stall columns (normalized per measured step), the number of
-# slots measured, and weighted sums of drift and prediction (value * weight, weight).
-V_STALLED, V_COUNTED, V_UNDERFLOW, V_MEASURED, V_DRIFT, V_DRIFT_W, V_PRED, V_PRED_W = range(8)
-PER_MOMENT = 8
+# slots measured, weighted sums of drift and prediction (value * weight, weight) and, in the weights' row, the sampled
+# weights found NaN/Inf.
+V_STALLED, V_COUNTED, V_UNDERFLOW, V_MEASURED, V_DRIFT, V_DRIFT_W, V_PRED, V_PRED_W, V_NONFINITE = range(9)
+PER_MOMENT = 9
 
 
 DEFAULT_PREFIX = "stale"  # the default ``log_key_prefix`` of every front-end
@@ -43,11 +44,12 @@ WEIGHTS = "weights"  # <prefix>/remedy/weights: parameters whose weight write th
 
 
 def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[str, float, int]],
-                  predicted: np.ndarray) -> Tensor:
+                  predicted: np.ndarray, nonfinite: int = 0) -> Tensor:
     """The per-moment vector of one engine's window (host, float64).
 
     ``totals``: (rows, N_STATS) sums since the last window; ``moments``: each row's moment; ``drift``: (moment,
-    value, weight) of each shadowed slot; ``predicted``: (rows, 2) sum and count of the theory's predictions.
+    value, weight) of each shadowed slot; ``predicted``: (rows, 2) sum and count of the theory's predictions;
+    ``nonfinite``: sampled weights found NaN/Inf.
     """
     totals_np, predicted_np = totals.numpy(), predicted
     moment_of = np.array([QUANTITIES.index(m) for m in moments], dtype=np.int64)
@@ -65,12 +67,21 @@ def moment_vector(totals: Tensor, moments: Sequence[str], drift: Sequence[tuple[
         i = QUANTITIES.index(moment)
         vector[i, V_DRIFT] += value * weight
         vector[i, V_DRIFT_W] += weight
+    vector[QUANTITIES.index(WEIGHT), V_NONFINITE] = nonfinite
     return torch.from_numpy(vector.reshape(-1))
+
+
+def nonfinite(vector: np.ndarray) -> bool:
+    """Whether the reduced vector's window saw NaN/Inf weights."""
+    return bool(vector.reshape(len(QUANTITIES), PER_MOMENT)[QUANTITIES.index(WEIGHT), V_NONFINITE] > 0)
 
 
 def row(vector: np.ndarray, prefix: str, resets: int, since_reset: float | None,
         v_beta: float | None) -> dict[str, float]:
-    """The metrics of one logged row from the reduced per-moment vector."""
+    """The metrics of one logged row from the reduced per-moment vector. A window that saw NaN/Inf weights gives NaN
+    for every stall metric of the moments it measured: counts and drift of a diverged run mean nothing."""
+    if nonfinite(vector):
+        return nan_row(vector, prefix, resets, since_reset)
     values = vector.reshape(len(QUANTITIES), PER_MOMENT).tolist()
     metrics: dict[str, float] = {}
     stalled = counted = 0.0
@@ -96,6 +107,22 @@ def row(vector: np.ndarray, prefix: str, resets: int, since_reset: float | None,
         metrics[key(prefix, RESETS)] = float(resets)
         if since_reset is not None:
             metrics[key(prefix, SINCE_RESET)] = since_reset
+    return metrics
+
+
+def nan_row(vector: np.ndarray, prefix: str, resets: int, since_reset: float | None) -> dict[str, float]:
+    """:func:`row` of a window that saw NaN/Inf weights: NaN for the stall metrics of every moment measured in it
+    (the keys a healthy row has), the reset counters as they are."""
+    values = vector.reshape(len(QUANTITIES), PER_MOMENT).tolist()
+    measured = [moment for moment, v in zip(QUANTITIES, values) if v[V_MEASURED] > 0]
+    names = {"m": (FRAC, DRIFT), "v": (FRAC, DRIFT, PREDICTED), WEIGHT: (FRAC, PREDICTED)}
+    metrics = {key(prefix, moment, name): math.nan for moment in measured for name in names.get(moment, (FRAC,))}
+    if "v" in measured:
+        metrics.update({key(prefix, "v", name): math.nan for name in (UNDERFLOW_KEY, BETA_EFF, HORIZON_EFF)})
+    metrics[key(prefix, FRAC)] = math.nan
+    metrics[key(prefix, RESETS)] = float(resets)
+    if since_reset is not None:
+        metrics[key(prefix, SINCE_RESET)] = since_reset
     return metrics
 
 

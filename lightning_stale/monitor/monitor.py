@@ -110,7 +110,7 @@ class StaleStateMonitor:
             self.metric = StaleStateMetric(self._pipelines, options, self._names, self._reduce)  # the window's metrics
             self.restored = self._restore(state)  # whether the monitor continues from a saved state
             for pipeline in self._pipelines:
-                pipeline.adopt()
+                pipeline.adopt(stepping=False)  # the remedy judges at the first step hook
         except BaseException:
             self.close()  # a monitor that cannot attach leaves no hook behind (a front-end may train on without it)
             raise

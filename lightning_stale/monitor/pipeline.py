@@ -19,7 +19,7 @@ from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.decide import weight_theory
 from lightning_stale.decide.forecast import StallForecast, to_host
 from lightning_stale.decide.ledger import Ledger, LedgerRow, without_periods
-from lightning_stale.decide.lr_outlook import lr_path
+from lightning_stale.decide.lr_outlook import LrOutlook, lr_path
 from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.messages import ParamNames, info
@@ -70,10 +70,15 @@ class OptimizerPipeline:
         self.auto_weights = self.writeback is not None and options.weights is None
         self._warn = warn
         self.steps = steps_taken  # real optimizer steps seen (restored from checkpoints)
+        self.window_start = steps_taken  # the step after which the current window began
         self.adopted = -1  # the engine version whose units the ledger holds
         self.announced = False
+        self.judge_due = self.weights_due = False  # what the remedy judges at the next step hook
         # (lr scheduler, last step, optimizer steps per scheduler step) that the fit-start weight report follows
         self.schedule: tuple[Any, int, int] | None = None
+        self.outlook: LrOutlook | None = None  # its lrs ahead, read at the fit-start report
+        self.check_lrs: list[float] | None = None  # each group's lr at the last weight decision
+        self.said_rising = False  # the weight decision waited for a rising lr (said once)
         self.estimated: set[int] = set()  # positions given a grid estimate since the last period report
         self.foreseen: set[str] = set()  # keys of the parameters the remedy has judged from their rho-hat
 
@@ -130,10 +135,7 @@ class OptimizerPipeline:
         if self.remedy is not None:
             self.interventions.apply_remedy(self.remedy, self.steps, self.check_every)
         if self.auto_weights:
-            rows = np.flatnonzero(self.remedy.weights(self.ledger) & (self.ledger.arrays["weights"] == 0))
-            why = [f"{self.ledger.rows[i].weight_stall:.0%} of its sampled elements with a non-zero gradient did "
-                   "not move since the last check" for i in rows]
-            self.interventions.take_over_weights(self.writeback, rows, why, self.steps)
+            self.take_over_measured()
 
     def decide(self, measured: list[Batch]) -> None:
         """The policy: it observes the measured stall fractions (when it asks), then what is due is reset."""
@@ -152,28 +154,38 @@ class OptimizerPipeline:
             self.interventions.reset(units, self.policy.moments, self.steps)
 
     # -- parameters appearing and their theory -----------------------------------------------------------------------
-    def adopt(self, after_step: bool = False) -> None:
+    def adopt(self, after_step: bool = False, stepping: bool = True) -> None:
         """Align the ledger and the forecast with the engine's units; let the policy choose the periods of the
-        parameters whose rho-hat is known; announce the optimizer at its first parameters.
+        parameters whose rho-hat is known; announce the optimizer at its first parameters. The remedy judges what
+        was aligned inside a step hook (``stepping``), not when the monitor attaches: a front-end tells it the lr
+        schedule to follow after attaching, and a resumed state exists from then on.
 
         A parameter whose state existed before monitoring began (a checkpoint saved without the monitor) is as old as
         its optimizer step counter says; inside the post-step hook that counter already includes this step, which
         the ledger adds next."""
-        if self.adopted == self.engine.version:
-            return
+        if self.adopted != self.engine.version:
+            self.align(after_step)
+        if stepping and self.judge_due:
+            self.judge_due = False
+            if self.weights_due:
+                self.weights_due = False
+                self.foresee_weights(self.steps + (0 if after_step else 1))
+            self.foresee()
+
+    def align(self, after_step: bool) -> None:
+        """:meth:`adopt`'s alignment of the ledger and the forecast with the engine's units."""
         self.adopted = self.engine.version
         new = self.ledger.sync(self.engine.tracked, lambda unit: max(0, (self.adapter.steps_taken(unit.param) or 0)
                                                                      - after_step))
         self.forecast.align(self.engine.entries)
         self.forecast.adopt(self.ledger)
         self.configure([u for u in self.ledger.rows if u.period_source == "" and not self.forecast.waiting(u)])
+        self.judge_due = True
         if new and not self.announced:
-            self.announced = True
+            self.announced = self.weights_due = True
             mixed = self.mixed_precision()  # a collective: every rank adopts at the same step
             info(fit_start_report(self.adapter, self.engine, self.ledger, self.forecast.pending, self.policy,
                                   self.remedy, self.options.track_every, mixed))
-            self.foresee_weights(self.steps + (0 if after_step else 1))
-        self.foresee()
 
     def estimate(self, positions: list[int]) -> None:
         """Grid estimates of the parameters at ``positions``; the periods, once every state has settled."""
@@ -195,7 +207,7 @@ class OptimizerPipeline:
         units = [u for u in self.ledger.rows if u.key not in self.foreseen and u.rho is not None]
         if units:
             self.foreseen.update(u.key for u in units)
-            self.interventions.foresee(self.remedy, units, self.steps)
+            self.interventions.foresee(self.remedy, units, self.steps, self.writeback)
 
     def follow(self, scheduler: Any, last_step: int, every: int) -> None:
         """Follow ``scheduler`` (stepped every ``every`` optimizer steps up to ``last_step``) in the weight report."""
@@ -203,7 +215,7 @@ class OptimizerPipeline:
 
     def foresee_weights(self, step: int) -> None:
         """At the first parameters (every rank at the same step: a collective): per format of stored weights, the
-        share past the threshold at the current lr (that of optimizer step ``step``) and the lr below which they stop
+        share past the threshold at the lr they will train at (:meth:`training_lr`) and the lr below which they stop
         moving, with the step where a followed lr schedule gets there; with the automatic remedy, the write-back takes
         over the parameters whose share past the threshold calls for it."""
         units = [u for u in self.ledger.rows if any(s.moment == WEIGHT for s in u.slots)]
@@ -211,29 +223,90 @@ class OptimizerPipeline:
             return
         groups = self.optimizer.param_groups
         lrs = [g["lr"] for g in groups]
-        lr_of = {id(p): float(lr) for g, lr in zip(groups, lrs) for p in g["params"]}
-        slots = [next(s for s in u.slots if s.moment == WEIGHT) for u in units]
-        samples = [self.engine.tracked[u.position].sample for u in units]
-        readings = to_host([weight_theory.threshold(s, sample, lr_of[id(u.param)])
-                            for s, sample, u in zip(slots, samples, units)], width=3)
-        past = summed(readings[:, :2].reshape(-1), self.reduce).reshape(-1, 2)  # agreed: decisions rest on it
-        share = np.where(past[:, 1] > 0, past[:, 0] / np.maximum(past[:, 1], 1.0), np.nan)
-        stop = readings[:, 2].tolist()  # this rank's, for the report only
-        lr = lr_of[id(units[0].param)]
+        self.check_lrs = [float(lr) for lr in lrs]
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
         path, every = None, 1
         if self.schedule is not None:
             scheduler, last_step, every = self.schedule
             path = lr_path(scheduler, -(-max(0, last_step - step) // every), lrs)
-            group = next(i for i, g in enumerate(groups) if any(p is units[0].param for p in g["params"]))
-            path = None if path is None else path[:, group]
-        info(weight_report([s.format for s in slots], share.tolist(), stop, lr, path, step, every))
+            self.outlook = None if path is None else LrOutlook(path, step, every)
+        basis = [self.training_lr(i, step) for i in range(len(groups))]
+        judged = [basis[group_of[id(u.param)]] for u in units]
+        slots = [next(s for s in u.slots if s.moment == WEIGHT) for u in units]
+        samples = [self.engine.tracked[u.position].sample for u in units]
+        readings = to_host([weight_theory.threshold(s, sample, lr if lr is not None else 0.0)
+                            for s, sample, (lr, _) in zip(slots, samples, judged)], width=3)
+        past = summed(readings[:, :2].reshape(-1), self.reduce).reshape(-1, 2)  # agreed: decisions rest on it
+        share = np.where(past[:, 1] > 0, past[:, 0] / np.maximum(past[:, 1], 1.0), np.nan)
+        stop = readings[:, 2].tolist()  # this rank's, for the report only
+        first = group_of[id(units[0].param)]
+        info(weight_report([s.format for s in slots], share.tolist(), stop, *judged[0],
+                           None if path is None else path[:, first], step, every))
         if self.auto_weights:
-            chosen = self.remedy.weights_foreseen(share) & (self.ledger.arrays["weights"][[u.position for u in units]]
-                                                            == 0)
+            known = np.array([lr is not None for lr, _ in judged])
+            free = self.ledger.arrays["weights"][[u.position for u in units]] == 0
+            chosen = self.remedy.weights_foreseen(share) & known & free
             rows = np.array([u.position for u, c in zip(units, chosen) if c], dtype=np.int64)
-            why = [f"{share[i]:.0%} of its weights are past the threshold at lr {lr_of[id(units[i].param)]:.3g}"
+            why = [f"{share[i]:.0%} of its weights are past the threshold at lr {judged[i][0]:.3g}, {judged[i][1]}"
                    for i in np.flatnonzero(chosen)]
             self.interventions.take_over_weights(self.writeback, rows, why, self.steps)
+            if (free & ~chosen).any():
+                info(f"[lightning_stale] remedy: the weight write-back leaves {int((free & ~chosen).sum())} bf16/fp16 "
+                     "parameter(s) to the optimizer for now; it takes a parameter over at a check step (every "
+                     f"{self.check_every} steps) where more than {self.remedy_stall_share()} of its weights are "
+                     "measured to stall at a non-zero lr that has stopped rising")
+
+    def training_lr(self, group: int, step: int) -> tuple[float | None, str]:
+        """The lr the parameters of ``group`` will train at, judged at optimizer step ``step``, and what it is in
+        words: the largest lr of a followed schedule ahead (a warm-up's peak; the current lr where it only decays: a
+        parameter whose weights stall there stalls at every lr of the schedule, and the stall of a decay is measured
+        at the check steps as it comes), else the current lr. None where that lr is 0 (nothing would be judged but
+        the warm-up's start)."""
+        if self.outlook is not None:
+            lr, at = self.outlook.peak(group)
+            if lr <= 0:
+                return None, "the lr schedule ahead stays at 0"
+            return lr, ("the current lr, the largest of the lr schedule ahead" if at == step else
+                        f"the largest lr of the lr schedule ahead, from step {at}")
+        lr = float(self.optimizer.param_groups[group]["lr"])
+        if lr <= 0:
+            return None, "the lr is 0 now and no lr schedule is followed"
+        return lr, "the current lr"
+
+    def remedy_stall_share(self) -> str:
+        """The automatic remedy's weight-stall threshold, for messages."""
+        share = getattr(self.remedy, "weight_stall", None)
+        return "the remedy's share" if share is None else f"{share:.0%}"
+
+    def take_over_measured(self) -> None:
+        """A check step's weight decision: the parameters whose measured weight stall calls for the write-back, where
+        it was measured at an lr they will train at: not at lr 0, and not while the lr still rises (a followed
+        schedule's lr over the next check interval, else the lr at the previous check, is above the current one),
+        since a warm-up's stall passes as its lr grows."""
+        ledger, groups = self.ledger, self.optimizer.param_groups
+        now = [float(g["lr"]) for g in groups]
+        ahead = self.outlook.ahead(self.steps, self.check_every) if self.outlook is not None else None
+        before, self.check_lrs = self.check_lrs, now
+        rows = np.flatnonzero(self.remedy.weights(ledger) & (ledger.arrays["weights"] == 0))
+        if not rows.size:
+            return
+        group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        group = [group_of[id(ledger.rows[i].param)] for i in rows]
+        rising = [now[g] <= 0 or (ahead[g] > now[g] * (1 + 1e-6) if ahead is not None else
+                                  before is not None and now[g] > before[g] * (1 + 1e-6)) for g in group]
+        waiting = [(i, g) for i, g, r in zip(rows, group, rising) if r]
+        if waiting and not self.said_rising:
+            self.said_rising = True
+            unit, lr = ledger.rows[waiting[0][0]], now[waiting[0][1]]
+            info(f"[lightning_stale] remedy: the weights of {len(waiting)} parameter(s) stalled since the last check "
+                 f"(e.g. {self.name(unit)!r}: {unit.weight_stall:.0%}) while the lr is "
+                 f"{'0' if lr <= 0 else 'still rising'} (lr {lr:.3g} at step {self.steps}): "
+                 "the write-back does not take them over until the lr stops rising, since a warm-up's stall passes "
+                 "as the lr grows")
+        chosen = np.array([i for i, r in zip(rows, rising) if not r], dtype=np.int64)
+        why = [f"{ledger.rows[i].weight_stall:.0%} of its sampled elements with a non-zero gradient did not move "
+               f"since the last check, at lr {now[g]:.3g}" for i, g, r in zip(rows, group, rising) if not r]
+        self.interventions.take_over_weights(self.writeback, chosen, why, self.steps)
 
     def weight_predictions(self, counted: np.ndarray) -> np.ndarray:
         """(predicted stalls, elements) of each weight row counted in the window (``counted``: per row), (rows, 2) on
@@ -268,6 +341,29 @@ class OptimizerPipeline:
         """Start a new window of counts and predicted stalls (what the monitor's ``compute()`` reads)."""
         self.engine.reset_window()
         self.forecast.reset_window(self.engine.entries)
+        self.window_start = self.steps
+
+    def describe_nonfinite(self, positions: np.ndarray, shown: int = 5) -> tuple[str, int]:
+        """The parameters at ``positions``, whose sampled weights went NaN/Inf in this window, in words (the first
+        ``shown`` with those of their stored moments that went too: one host read each), and the optimizer step
+        the window started after."""
+        names = []
+        for position in positions[:shown]:
+            unit = self.engine.tracked[position]
+            states = []
+            for entry in unit.entries:
+                if entry.moment == WEIGHT:
+                    continue
+                try:
+                    values = entry.slot.value_at(unit.sample.positions(unit.param.device))
+                    if not bool(torch.isfinite(values).all()):
+                        states.append(entry.slot.key)
+                except Exception:  # a layout that cannot be read here: its state is left unnamed
+                    continue
+            name = repr(self.name(self.ledger.rows[position]))
+            names.append(f"{name} (and its {', '.join(states)})" if states else name)
+        more = f" and {len(positions) - shown} more" if len(positions) > shown else ""
+        return ", ".join(names) + more, self.window_start
 
     def close(self) -> None:
         """Remove the write-back's hooks."""
@@ -298,7 +394,7 @@ class OptimizerPipeline:
     def load_state_dict(self, state: dict[str, Any], counts: bool, shadows: bool, periods: bool) -> None:
         """Continue from a :meth:`state_dict`; ``counts`` and ``shadows``: whether the unlogged counts and the drift
         shadows are this process's (see the monitor); ``periods``: whether the saved periods continue."""
-        self.steps = int(state["steps"])
+        self.steps = self.window_start = int(state["steps"])
         self.engine.load_state_dict(state["engine"], counts=counts, shadows=shadows)
         self.forecast.load_state_dict(state["forecast"] if counts else {})
         self.ledger.load_state_dict(state["ledger"] if periods else without_periods(state["ledger"]))

@@ -19,7 +19,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_stale.decide.remedies import GUARD, STOCHASTIC
-from lightning_stale.messages import ParamNames
+from lightning_stale.messages import ParamNames, info
 from lightning_stale.monitor import metrics
 from lightning_stale.monitor.options import MonitorOptions
 from lightning_stale.monitor.pipeline import OptimizerPipeline
@@ -57,6 +57,8 @@ class StaleStateMetric(Metric):
         self.prefix = options.log_key_prefix  # the keys' prefix (the Fabric front-end's later optimizers: opt<i>)
         self._pipelines, self._options, self._names, self._reduce = pipelines, options, names, reduce
         self._per_param: dict[str, float] = {}  # this rank's per-parameter fractions, taken in with the window
+        self._nonfinite: list[tuple[OptimizerPipeline, np.ndarray]] = []  # this rank's NaN/Inf weights in the window
+        self._said_nonfinite = False
 
     @property
     def update_called(self) -> bool:
@@ -104,12 +106,17 @@ class StaleStateMetric(Metric):
         prefix = self.prefix
         vector = torch.zeros(len(QUANTITIES) * metrics.PER_MOMENT, dtype=torch.float64)
         per_param: dict[str, float] = {}
+        self._nonfinite = []
         for pipeline in self._pipelines:
             engine = pipeline.engine
             totals, predicted = engine.window(), pipeline.forecast.window(engine.entries)
             predicted += pipeline.weight_predictions(totals[:, metrics.COUNTED].numpy() > 0)
             drift = [(engine.entries[k].moment, value, engine.drift_weight(k)) for k, value in engine.drift().items()]
-            vector += metrics.moment_vector(totals, [e.moment for e in engine.entries.values()], drift, predicted)
+            bad = engine.nonfinite()
+            if bad.any():
+                self._nonfinite.append((pipeline, np.flatnonzero(bad)))
+            vector += metrics.moment_vector(totals, [e.moment for e in engine.entries.values()], drift, predicted,
+                                            int(bad.sum()))
             if self._options.log_per_param:
                 for entry, row in zip(engine.entries.values(), totals.tolist()):
                     if row[metrics.COUNTED] > 0:
@@ -126,8 +133,14 @@ class StaleStateMetric(Metric):
         betas = [entry.slot.beta for pipeline in pipelines for entry in pipeline.engine.entries.values()
                  if entry.moment == "v" and entry.slot.beta is not None]
         resets = sum(pipeline.interventions.resets for pipeline in pipelines)
-        row = metrics.row(self.window.cpu().numpy(), prefix, resets, float(ages.mean()) if ages.size else None,
+        vector = self.window.cpu().numpy()
+        row = metrics.row(vector, prefix, resets, float(ages.mean()) if ages.size else None,
                           sum(betas) / len(betas) if betas else None)
+        if metrics.nonfinite(vector):  # every rank sees it in the reduced vector: the rows agree
+            self._per_param = dict.fromkeys(self._per_param, float("nan"))
+            if not self._said_nonfinite:
+                self._said_nonfinite = True
+                info(self._nonfinite_line())
         if self._options.remedy_rule is not None and row:  # decisions are agreed across ranks: local counts are global
             chosen = np.concatenate([pipeline.ledger.arrays["remedy"] for pipeline in pipelines])
             row.update(metrics.remedy_row(prefix, int((chosen == GUARD).sum()), int((chosen == STOCHASTIC).sum()),
@@ -136,6 +149,23 @@ class StaleStateMetric(Metric):
         if writebacks and row:
             row[metrics.key(prefix, metrics.REMEDY, metrics.WEIGHTS)] = float(sum(w.handled for w in writebacks))
         return row
+
+    def _nonfinite_line(self) -> str:
+        """What the first window with NaN/Inf weights says: where (this rank's parameters, with which of their
+        states), when, and that the stall metrics stop meaning anything."""
+        if not self._nonfinite:
+            return ("[lightning_stale] non-finite weights: another process found NaN/Inf in its sampled weights; the "
+                    "run has diverged, and from here on the stall metrics mean nothing: they are logged as NaN")
+        parts = [pipeline.describe_nonfinite(positions) for pipeline, positions in self._nonfinite]
+        count = sum(len(positions) for _, positions in self._nonfinite)
+        where = "; ".join(text for text, _ in parts)
+        since = min(start for _, start in parts)
+        steps = max(pipeline.steps for pipeline, _ in self._nonfinite)
+        when = f"at optimizer step {steps}" if since + 1 >= steps else \
+            f"between optimizer steps {since + 1} and {steps}"
+        return (f"[lightning_stale] non-finite weights: the sampled weights of {count} parameter(s) went NaN/Inf "
+                f"{when} ({where}): the run has diverged, and from here on the stall metrics mean nothing: they are "
+                "logged as NaN")
 
     def _several_processes(self) -> bool:
         """torchmetrics' ``distributed_available_fn``: whether there is anything to sum across."""
