@@ -102,7 +102,7 @@ def evaluate(model: LanguageModel, loader: torch.utils.data.DataLoader) -> float
     """Mean next-byte cross-entropy over the loader's batches."""
     model.eval()
     device = next(model.parameters()).device
-    losses = [model.loss(batch.to(device)).item() for batch in loader]
+    losses = [model.loss([t.to(device) for t in batch]).item() for batch in loader]
     model.train()
     return sum(losses) / len(losses)
 
