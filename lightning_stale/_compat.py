@@ -378,6 +378,22 @@ def multi_tensor_compile(emulate_casts: bool = False, recompile_limit: int = 64)
             restore()
 
 
+def dispatch_mode(handler: Callable[[Any, tuple, dict], Any]) -> Any:
+    """A ``TorchDispatchMode`` (torch's private ``torch.utils._python_dispatch``) whose every aten call goes to
+    ``handler(func, args, kwargs)``, for the host-sync counter of :mod:`lightning_stale.testing`. Where torch moved
+    it, RuntimeError: a counter that cannot see the operations must not report none."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError as error:  # pragma: no cover - moved private API
+        raise RuntimeError(f"this torch has no TorchDispatchMode to count host syncs with ({error})") from error
+
+    class _Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            return handler(func, args, kwargs or {})
+
+    return _Dispatch()
+
+
 def bnb_dequantize_blockwise(codes: Any, absmax: Any, qmap: Any, block: int) -> Any:
     """bitsandbytes' block-wise 8-bit ``codes`` as fp32 values, with the op its own optimizer step uses
     (``torch.ops.bitsandbytes.dequantize_blockwise``, registered per device)."""
