@@ -78,9 +78,8 @@ class QuantizedAdamWAdapter(OptimizerAdapter):
                 group["rounding"] = "stochastic"
         return True
 
-    def steps_taken(self, param: Tensor) -> int | None:
-        step = self.optimizer.state.get(param, {}).get("step_v")
-        return None if step is None else int(step)
+    def step_counter(self, param: Tensor) -> Tensor | None:
+        return self.optimizer.state.get(param, {}).get("step_v")
 
     def reset_exact(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
         """The paper's per-moment reset, v-only included (unbounded first update: see the module docstring)."""

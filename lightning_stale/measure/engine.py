@@ -18,8 +18,8 @@ gradient views of the cohort.
 
 Host synchronisation happens only when batch plans are built (the first measurement of each cohort after the
 optimizer state changes: zero codes of 8-bit maps are looked up once) and in the readouts (:meth:`StallEngine.window`,
-:meth:`StallEngine.take_recent`, :meth:`StallEngine.drift`, :meth:`StallEngine.signals`); never in the step hooks
-otherwise.
+:meth:`StallEngine.take_recent`, :meth:`StallEngine.drift`, :meth:`StallEngine.signals`), which the monitor calls on
+logging and check steps; never in the step hooks otherwise.
 """
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ class StallEngine:
         coverage_steps: in sample mode, cohorts grow beyond ``params_per_step`` so that every parameter is measured
             at least once in this many measured steps (the front-ends pass their logging interval).
         seed: seed of the sample offsets.
-        recent_readers: names of the consumers of :meth:`take_recent` (each reads the counts since its own last read).
+        recent: keep the counts since the last :meth:`take_recent` (check steps read them).
+        per_step: keep them measured step by measured step (a policy that observes each one).
     """
 
     def __init__(self, adapter: OptimizerAdapter, prefix: str, exact: bool, sample_size: int, params_per_step: int,
-                 coverage_steps: int, seed: int, recent_readers: tuple[str, ...] = ()) -> None:
+                 coverage_steps: int, seed: int, recent: bool = False, per_step: bool = False) -> None:
         self.adapter = adapter
         self.prefix = prefix
         self.exact = exact
@@ -71,7 +72,7 @@ class StallEngine:
         self.cursor = 0  # measured steps so far: picks the cohort
         self.cohorts: list[list[TrackedParam]] = []
         self.measured_cohort: list[TrackedParam] = []  # the parameters of the last measured step, empty shards included
-        self.counts = Counts(recent_readers)
+        self.counts = Counts(recent, per_step)
         self.panel = DriftPanel(exact)
         self._batches: dict[int, list[Batch]] = {}
         self._prev: list[Tensor] | None = None
@@ -177,6 +178,7 @@ class StallEngine:
         self.measured_cohort = self.cohorts[self._prev_cohort]
         for batch, prev in zip(measured, self._prev):
             self.counts.count(batch, prev, self._placeholders)
+        self.counts.end_step()
         self._prev = None
         self.cursor += 1
         return measured
@@ -199,10 +201,11 @@ class StallEngine:
         """Start a new window of per-slot totals."""
         self.counts.reset_window()
 
-    def take_recent(self, reader: str) -> np.ndarray:
-        """Sampled (stalled, counted, underflow) counts of every slot since ``reader``'s previous call, (rows, 3) on
-        the host in row order, unweighted (one host synchronisation)."""
-        return self.counts.take_recent(reader)
+    def take_recent(self) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """Sampled (stalled, counted, underflow) counts of every slot since the previous call, (rows, 3) on the host
+        in row order, unweighted, and with ``per_step`` each measured step's (its rows, their counts); one host read
+        per device (:meth:`Counts.take_recent`)."""
+        return self.counts.take_recent()
 
     def drift(self) -> dict[str, float]:
         """Drift of each shadowed slot (median stored/shadow for v, relative L2 error for m), by slot key."""
