@@ -89,7 +89,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_compat.py",),  # other packages' private and version-dependent APIs
     ("testing",),  # the host-sync counter and the meta stand-in: they lean on nothing they measure
     ("vocab.py",),  # names and argument checks
-    ("messages.py", "ranks.py", "state.py"),  # what the user is told, sums across ranks, the saved state's versions
+    # what the user is told, sums across ranks, the saved state's versions, copies to the device
+    ("messages.py", "ranks.py", "state.py", "transfers.py"),
     ("formats", "theory"),  # number formats; the stall theory
     ("sim.py", "optim"),  # the theory's simulation; QuantizedAdamW
     ("adapters",),  # optimizer state -> slots (and their samples)

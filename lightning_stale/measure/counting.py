@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_stale.formats.base import unpack_nibbles
 from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.units import Entry, TrackedParam
+from lightning_stale.transfers import to_devices
 
 STALLED, COUNTED, UNDERFLOW, MEASURED = range(4)  # columns of a window's per-slot totals (MEASURED: on the host)
 N_STATS = 4
@@ -56,7 +57,7 @@ class Batch:
 
     @property
     def device(self) -> torch.device:
-        return self.rows.device
+        return self.units[0].param.device
 
     @property
     def entries(self) -> list[Entry]:
@@ -94,7 +95,7 @@ class Batch:
 
 def plan_batches(units: list[TrackedParam], sample_size: int, local_row: dict[str, int]) -> list[Batch]:
     """The batches of one cohort: its parameters grouped by layout (``local_row``: each slot's row in its device's
-    totals matrix)."""
+    totals matrix), their tables on the host until :func:`place_batches` moves them."""
     groups: dict[tuple, list[list[TrackedParam]]] = {}
     for unit in units:
         if unit.sample.count == 0:  # an empty (shard of a) parameter: nothing to read
@@ -110,8 +111,18 @@ def plan_batches(units: list[TrackedParam], sample_size: int, local_row: dict[st
     return [_batch(units, local_row) for split in groups.values() for units in split]
 
 
+def place_batches(batches: list[Batch]) -> None:
+    """Move the tables of ``batches`` to their devices, all of a device's in one copy (:func:`to_devices`)."""
+    names = ("last", "rows", "weights", "zero_codes")
+    tables = [getattr(batch, name) for batch in batches for name in names]
+    placed = iter(to_devices(tables, [batch.device for batch in batches for _ in names]))
+    for batch in batches:
+        for name in names:
+            setattr(batch, name, next(placed))
+
+
 def _batch(units: list[TrackedParam], local_row: dict[str, int]) -> Batch:
-    device, k = units[0].param.device, len(units[0].entries)
+    k = len(units[0].entries)
     lengths = [u.sample.numel for u in units]
     entries = [u.entries[i] for i in range(k) for u in units]
     zeros = [e.slot.zero_code() if e.moment == "v" else None for e in units[0].entries]  # one layout per row
@@ -119,13 +130,13 @@ def _batch(units: list[TrackedParam], local_row: dict[str, int]) -> Batch:
                for i, w in enumerate(e.unit.numel / e.unit.sample.numel for e in entries)]
     zero_codes = None
     if any(zeros):
-        zero_codes = torch.tensor([[z or 0] for z in zeros], device=device)
+        zero_codes = torch.tensor([[z or 0] for z in zeros])
     return Batch(
         units, k, tuple(e.slot.packed for e in units[0].entries),
         [None if e.slot.gathered else e.slot.sampled_codes(e.unit.sample) for e in entries], lengths,
-        torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64, device=device),
-        torch.tensor([local_row[e.key] for e in entries], dtype=torch.int64, device=device),
-        torch.tensor(weights, dtype=torch.float64, device=device), zero_codes, [z is not None for z in zeros],
+        torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64),
+        torch.tensor([local_row[e.key] for e in entries], dtype=torch.int64),
+        torch.tensor(weights, dtype=torch.float64), zero_codes, [z is not None for z in zeros],
         sum(lengths) / len(lengths) >= PER_SLOT_COUNTS,
         np.array([e.row for e in entries], dtype=np.int64),
         np.array([e.unit.position for e in entries], dtype=np.int64),

@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_stale.adapters.sampling import Sample
 from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.units import Entry, TrackedParam, driver_group
+from lightning_stale.transfers import to_device
 
 DRIFT_PARAMS = 4  # parameters with a drift shadow in sample mode
 DRIFT_SAMPLE = 128  # shadowed elements per slot
@@ -71,7 +72,7 @@ class DriftPanel:
             samples = [u.sample.prefix(DRIFT_SAMPLE) for u in members]
             lengths = [s.numel for s in samples]
             shadow = Shadow(members, samples, [m == "v" for m, _ in layout],
-                            torch.tensor([[1.0 - b] for _, b in layout], dtype=torch.float32, device=device),
+                            to_device(torch.tensor([[1.0 - b] for _, b in layout], dtype=torch.float32), device),
                             torch.zeros(len(layout), sum(lengths), dtype=torch.float32, device=device),
                             [int(x) for x in np.cumsum([0] + lengths[:-1])])
             shadows.append(shadow)

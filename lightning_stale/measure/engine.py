@@ -32,7 +32,7 @@ from torch import Tensor
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.adapters.sampling import choose_sample
-from lightning_stale.measure.counting import Batch, Counts, plan_batches
+from lightning_stale.measure.counting import Batch, Counts, place_batches, plan_batches
 from lightning_stale.measure.drift import DriftPanel
 from lightning_stale.measure.units import Entry, TrackedParam, driver_group, driver_slot, weight_slot
 from lightning_stale.vocab import WEIGHT
@@ -147,9 +147,12 @@ class StallEngine:
         self._prev = None
 
     def _plan(self, cohort: int) -> list[Batch]:
-        """The batches of one cohort (built on first use, then reused until the slots change)."""
-        if cohort not in self._batches:
-            self._batches[cohort] = plan_batches(self.cohorts[cohort], self.sample_size, self.counts.local_row)
+        """The batches of one cohort: every cohort's built at the first use after the slots changed (their tables go
+        to the devices in one copy per device), then reused until the slots change again."""
+        if not self._batches:
+            plans = [plan_batches(units, self.sample_size, self.counts.local_row) for units in self.cohorts]
+            place_batches([batch for plan in plans for batch in plan])
+            self._batches = dict(enumerate(plans))
         return self._batches[cohort]
 
     # -- the step ----------------------------------------------------------------------------------------------------
