@@ -274,8 +274,10 @@ COMPILE_MIN_NUMEL = 1 << 16  # the package's kernels compile for at least this m
 
 def compiles(numel: int, device: Any) -> bool:
     """Whether a kernel over ``numel`` elements on ``device`` should run ``torch.compile``d: large enough to repay the
-    compile, and a compiler for the device (Triton on accelerators, a C++ compiler on CPU)."""
-    return numel >= COMPILE_MIN_NUMEL and (getattr(device, "type", device) != "cpu" or compiler_available())
+    compile, and a compiler for the device (Triton on accelerators, a C++ compiler on CPU; none for ``meta``, which
+    holds no data)."""
+    kind = getattr(device, "type", device)
+    return numel >= COMPILE_MIN_NUMEL and kind != "meta" and (kind != "cpu" or compiler_available())
 
 
 def _vectorized_bitcast(original: Callable[..., Any]) -> Callable[..., Any]:

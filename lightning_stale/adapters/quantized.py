@@ -88,16 +88,17 @@ class QuantizedAdamWAdapter(OptimizerAdapter):
 
     @torch.no_grad()
     def restart_v(self, group: dict, p: Tensor, state: dict) -> None:
-        """Keep m and both ages; write v so that the next update is bounded (see :mod:`.restart`)."""
-        step_m, step_v = int(state["step_m"]), int(state["step_v"])
-        if step_v == 0 or step_m == 0:
-            self.optimizer.reset_moments(("v",), [p])
-            return
+        """Keep m and both ages; write v so that the next update is bounded (see :mod:`.restart`), or zero it and its
+        age where a moment has no age yet. The ages stay on their device: computed there, nothing read back."""
+        step_m, step_v = state["step_m"].double(), state["step_v"].double()
         beta1, beta2 = group["betas"]
         m_format = self.optimizer.moment_format(p, "m")
         m_hat = m_format.dequantize(self.optimizer.moment_state(p, "m")).reshape(-1) / (1.0 - beta1**step_m)
         target = restarted_v(m_hat, None if p.grad is None else p.grad.reshape(-1), step_v, beta2)
-        self.optimizer.moment_format(p, "v").round_up_into(self.optimizer.moment_state(p, "v"), target)
+        unaged = (step_m == 0) | (step_v == 0)  # a moment without an age: v restarts from zero, its age too
+        self.optimizer.moment_format(p, "v").round_up_into(self.optimizer.moment_state(p, "v"),
+                                                             torch.where(unaged, 0.0, target))
+        state["step_v"].masked_fill_(unaged, 0)
 
 
 ADAPTERS = {QuantizedAdamW: QuantizedAdamWAdapter}

@@ -64,6 +64,7 @@ class OptimizerPipeline:
         self.steps = steps_taken  # real optimizer steps seen (restored from checkpoints)
         self.adopted = -1  # the engine version whose units the ledger holds
         self.announced = False
+        self.unestimated = False  # parameters adopted since the last step's end may wait for a first estimate
         # (lr scheduler, last step, optimizer steps per scheduler step) that the fit-start weight report follows
         self.schedule: tuple[Any, int, int] | None = None
         self.estimated: set[int] = set()  # positions given a grid estimate since the last period report
@@ -95,10 +96,11 @@ class OptimizerPipeline:
         measured = self.engine.after_step()
         self.adopt(after_step=True)
         self.interventions.guard()
-        waiting = [u.position for u in self.engine.measured_cohort
-                   if self.forecast.waiting(self.ledger.rows[u.position])]
-        if waiting:  # a first estimate at the first measurement (one host read): predictions from the first window on
-            self.estimate(waiting)
+        if self.unestimated:  # a first estimate of the parameters adopted since, on the state this step wrote (one
+            self.unestimated = False  # host read per device): predictions from the first window on
+            waiting = [u.position for u in self.ledger.rows if self.forecast.waiting(u)]
+            if waiting:
+                self.estimate(waiting)
         if measured:
             self.forecast.record(measured, self.ledger)
         self.ledger.advance()
@@ -166,6 +168,7 @@ class OptimizerPipeline:
             steps or 0 for steps in self.adapter.steps_taken([u.param for u in units])])
         self.forecast.align(self.engine.entries)
         self.forecast.adopt(self.ledger)
+        self.unestimated = True
         self.configure([u for u in self.ledger.rows if u.period_source == "" and not self.forecast.waiting(u)])
         if new and not self.announced:
             self.announced = True

@@ -10,10 +10,11 @@ optimizer's own step) and tallies it per optimizer step (torch's global step pre
 log are marked apart.
 
 On a CPU run every tensor is on the host, so the counter tells what would be on the device by its birth: a tensor
-made without a ``device`` argument from Python data or a factory (``torch.tensor(rows)``, ``torch.zeros(n)``,
-``torch.from_numpy``), or computed only from such tensors, stays on the host on an accelerator too, and reading it
-blocks nothing; every other tensor (parameters, gradients, optimizer state, what is made with ``device=``) would be
-on the device. Reads are counted there, and the copies of host data into device tensors (``copy_``), but ``.to(param.device)`` cannot
+made from Python data or by a factory without a ``device`` argument or with ``device="cpu"`` (``torch.tensor(rows)``,
+``torch.zeros(n)``, ``torch.from_numpy``, torch.optim's non-capturable ``step``), moved with ``.cpu()`` or
+``.to("cpu")``, or computed only from such tensors, stays on the host on an accelerator too, and reading it blocks
+nothing; every other tensor (parameters, gradients, optimizer state, what is made with ``device=param.device``)
+would be on the device. Reads are counted there, and the copies of host data into device tensors (``copy_``), but ``.to(param.device)`` cannot
 be told from host work, so uploads are counted exactly on a device run: :class:`~lightning_stale.testing.meta.MetaStandIn` runs the step
 path on torch's ``meta`` device and counts them exactly, with whether they came from pinned memory.
 """
@@ -276,8 +277,8 @@ class HostSyncCounter:
                 None, "cpu"):
             self.record("upload", f"torch.{func.__name__}")
         out = func(*args, **kwargs)
-        if moves or (kwargs.get("device") is None and next(_tensors((args, kwargs)), None) is None):
-            self._born_on_host(out, first)  # moved to the host, or a factory or Python data without a device: on the host
+        if moves or (_names_the_host(kwargs.get("device")) and next(_tensors((args, kwargs)), None) is None):
+            self._born_on_host(out, first)  # moved to the host, or a factory or Python data made there
         return out
 
     def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -351,6 +352,12 @@ def _place(frame: FrameType) -> str:
 
 def _device_type(device: Any) -> str | None:
     return None if device is None else torch.device(device).type
+
+
+def _names_the_host(device: Any) -> bool:
+    """Whether a factory's ``device`` argument makes the tensor on the host on any machine: none given, or the CPU
+    named by a string (``device=param.device`` is the device, also where that is the CPU)."""
+    return device is None or (isinstance(device, str) and device.startswith("cpu"))
 
 
 def _to_host(func: Any, args: tuple, kwargs: dict) -> bool:
