@@ -390,6 +390,10 @@ def dispatch_mode(handler: Callable[[Any, tuple, dict], Any]) -> Any:
         raise RuntimeError(f"this torch has no TorchDispatchMode to count host syncs with ({error})") from error
 
     class _Dispatch(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:  # torch.compile'd regions compile and run as they would without it
+            return True
+
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             return handler(func, args, kwargs or {})
 

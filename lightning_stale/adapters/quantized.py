@@ -20,6 +20,7 @@ from lightning_stale.adapters.layouts import BlockFp8Slot, BlockQmapSlot, FloatS
 from lightning_stale.adapters.protocol import MOMENTS, Moment, OptimizerAdapter, Slot, resolve_moments
 from lightning_stale.adapters.restart import restarted_v
 from lightning_stale.formats import QuantizedState, StateFormat
+from lightning_stale.formats.base import on_device
 from lightning_stale.optim import QuantizedAdamW
 from lightning_stale.vocab import Rounding
 
@@ -32,7 +33,8 @@ def format_slot(p: Tensor, moment: Moment, beta: float, fmt: StateFormat, q: Qua
     (scaled per block, or per tensor), a plain float tensor, or float8 codes times a scale."""
     key = KEYS[moment]
     block_size = fmt.block_size or q.shape.numel()  # elements per scale
-    grid = fmt.grid()
+    grid = fmt.grid()  # the format's shared table, on the host: read on the codes' device
+    grid = None if grid is None else on_device(grid, q.codes.device)
     if grid is not None and fmt.bits in CODE_LAYOUTS:
         return CODE_LAYOUTS[fmt.bits](p, moment, beta, fmt.name, key, stored=q.codes, scale=q.scale, qmap=grid,
                                       block_size=block_size)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_stale.formats.noise import NOISE_BITS
+from lightning_stale.transfers import to_device
 from lightning_stale.vocab import check_rounding
 
 
@@ -149,7 +150,8 @@ class StateFormat(ABC):
         grid = self.grid()
         if grid is None or q.scale is None:
             raise TypeError(f"state format {self.name!r} has no rounded-up write")
-        codes, absmax = round_up_blockwise(target, grid.to(target.device), self.block_size or max(target.numel(), 1))
+        codes, absmax = round_up_blockwise(target, on_device(grid, target.device),
+                                           self.block_size or max(target.numel(), 1))
         q.scale.copy_(absmax.clamp_min(1e-12))
         q.codes.view(-1).copy_(self.pack_codes(codes))
 
@@ -219,7 +221,7 @@ def on_device(table: Tensor, device: torch.device) -> Tensor:
         return table
     key = (id(table), device)
     if key not in _DEVICE_TABLES:
-        _DEVICE_TABLES[key] = (table, table.to(device))
+        _DEVICE_TABLES[key] = (table, to_device(table, device))
     return _DEVICE_TABLES[key][1]
 
 

@@ -173,8 +173,9 @@ class QuantizedAdamW(torch.optim.Optimizer):
         if not state:
             for moment in MOMENTS:
                 codes_key, scale_key, age_key = _KEYS[moment]
-                with torch.device(param.device):  # the format's factories make it there: nothing to upload
-                    fresh = self._format_in_group(group, param, moment).empty(param.shape)
+                state_format = self._format_in_group(group, param, moment)  # built (once) on the host
+                with torch.device(param.device):  # the format's factories make the state there: nothing to upload
+                    fresh = state_format.empty(param.shape)
                 state[codes_key] = fresh.codes
                 if fresh.scale is not None:
                     state[scale_key] = fresh.scale
@@ -201,8 +202,9 @@ class QuantizedAdamW(torch.optim.Optimizer):
                 state = self.state[param]
                 for moment in moments:
                     codes_key, scale_key, age_key = _KEYS[moment]
+                    state_format = self._format_in_group(group, param, moment)
                     with torch.device(state[codes_key].device):  # made where it is copied to: no upload
-                        fresh = self._format_in_group(group, param, moment).empty(param.shape)
+                        fresh = state_format.empty(param.shape)
                     state[codes_key].copy_(fresh.codes)
                     if fresh.scale is not None:
                         state[scale_key].copy_(fresh.scale)

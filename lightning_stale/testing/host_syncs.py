@@ -127,6 +127,8 @@ class HostSyncCounter:
             (your own code, the optimizer's step, the framework's logging).
 
     A pair of torch modes: every tensor operation is slower while it is entered (for tests and one-off checks).
+    ``torch.compile``d regions compile and run as they would without it, unseen (a whole graph holds no host read;
+    what breaks a graph runs eagerly, and is counted).
     """
 
     device_type = "cpu"  # the device the run's parameters live on
@@ -326,6 +328,8 @@ class _Functions(TorchFunctionMode):
         self.counter = counter
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if torch.compiler.is_compiling():  # traced by dynamo: a compiled region neither reads nor uploads unseen
+            return func(*args, **(kwargs or {}))
         return self.counter._function(func, args, kwargs or {})
 
 

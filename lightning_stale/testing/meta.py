@@ -22,10 +22,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_stale.testing.host_syncs import HostSyncCounter, _bool_index
+from lightning_stale.testing.host_syncs import HostSyncCounter, _bool_index, _tensors
 
 aten = torch.ops.aten
 _FALSE_READS = frozenset({aten.equal, aten.is_nonzero, aten.allclose})
+# operations that move data between the host and the device by design (counted as reads and uploads)
+_CROSSING = frozenset({aten.copy_, aten._to_copy, aten._copy_from, aten._copy_from_and_resize, aten._pin_memory,
+                       aten.is_pinned, aten.lift_fresh, aten.lift_fresh_copy, aten.detach, aten.alias})
+_INDEXING = frozenset({aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_})
 
 
 class MetaStandIn(HostSyncCounter):
@@ -64,11 +68,28 @@ class MetaStandIn(HostSyncCounter):
         if packet is aten.is_pinned:
             return self.is_pinned(args[0])
         _check_generators(args, kwargs)
+        if packet not in _CROSSING:
+            self._check_devices(packet, args, kwargs)
         if any(isinstance(a, Tensor) and a.device.type == "meta" for a in args):
             answer = self._answer(packet, args, kwargs)
             if answer is not _NONE:
                 return answer
         return super()._dispatch(func, args, kwargs)
+
+    def _check_devices(self, packet: Any, args: tuple, kwargs: dict) -> None:
+        """Raise, as CUDA does, where a host tensor of more than 0 dimensions meets a meta one (some meta kernels let
+        an in-place operation through); an index on the host is an implicit upload there (counted)."""
+        tensors = list(_tensors((args, kwargs)))
+        if not any(t.device.type == "meta" for t in tensors):
+            return
+        host = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
+        if not host:
+            return
+        if packet in _INDEXING:
+            self.record("upload", f"{packet} (a host index)")
+            return
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, meta and "
+                           f"cpu! ({packet})")
 
     def _answer(self, packet: Any, args: tuple, kwargs: dict) -> Any:
         """The stand-in result of a host read of a meta tensor (recorded), or _NONE where it is not one."""
