@@ -96,6 +96,16 @@ def test_every_remedy(kind, options):
     assert_quiet(syncs)
 
 
+@pytest.mark.parametrize("kind", ["adamw-fused", "qadamw"])
+def test_v_only_resets_of_step_counters_on_the_device(kind):
+    """The bounded v restart computes with the step counter where it lives (torch fused, QuantizedAdamW's ages)."""
+    ps = params()
+    with HostSyncCounter() as syncs:
+        monitor = plain_loop(OPTIMIZERS[kind](ps), ps, syncs, reset="periodic", every=3, moments=("v",))
+    assert monitor.reset_events == STEPS // 3
+    assert_quiet(syncs)
+
+
 def test_the_adaptive_policy_resets_without_reading_the_host_between_checks():
     """Constant gradients and beta2 = 0.5: v settles and stalls within ten steps while E(k) falls to nothing, so the
     policy resets, from the fractions handed over at the check steps."""
@@ -212,14 +222,13 @@ class MarkLogging(L.Callback):
 
 @pytest.mark.parametrize("options", [{"remedy": "auto"}, {"reset": "adaptive", "min_interval": 2}],
                          ids=["auto", "adaptive"])
-def test_lightning_trainer(tmp_path, options):
-    with HostSyncCounter() as syncs:
-        trainer = L.Trainer(default_root_dir=tmp_path, max_steps=STEPS, log_every_n_steps=EVERY, accelerator="cpu",
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=[StaleStateCallback(**options), MarkLogging(syncs)])
-        trainer.fit(Regression())
-    assert sum(t.logs for t in syncs.tallies) == STEPS // EVERY
-    assert_quiet(syncs)
+def test_lightning_trainer(tmp_path, options, host_syncs):
+    trainer = L.Trainer(default_root_dir=tmp_path, max_steps=STEPS, log_every_n_steps=EVERY, accelerator="cpu",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[StaleStateCallback(**options), MarkLogging(host_syncs)])
+    trainer.fit(Regression())
+    assert sum(t.logs for t in host_syncs.tallies) == STEPS // EVERY
+    assert_quiet(host_syncs)
 
 
 def test_fabric():
@@ -239,7 +248,7 @@ def test_fabric():
     assert_quiet(syncs)
 
 
-def test_hugging_face_trainer(tmp_path):
+def test_hugging_face_trainer(tmp_path, host_syncs):
     transformers = pytest.importorskip("transformers")
     from lightning_stale.hf import add_stale_callback
 
@@ -254,12 +263,11 @@ def test_hugging_face_trainer(tmp_path):
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     add_stale_callback(trainer, remedy="auto")
 
-    with HostSyncCounter() as syncs:
-        class MarkLogs(transformers.TrainerCallback):
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                syncs.mark_logging()
+    class MarkLogs(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            host_syncs.mark_logging()
 
-        trainer.add_callback(MarkLogs())
-        trainer.train()
-    assert sum(t.logs for t in syncs.tallies) >= STEPS // EVERY
-    assert_quiet(syncs)
+    trainer.add_callback(MarkLogs())
+    trainer.train()
+    assert sum(t.logs for t in host_syncs.tallies) >= STEPS // EVERY
+    assert_quiet(host_syncs)

@@ -247,9 +247,12 @@ class Counts:
 
     def _add(self, batch: Batch, sums: Tensor) -> None:
         self.totals[batch.device].index_add_(0, batch.rows, sums.double().mul_(batch.weights))
-        if self.keep_recent:  # unweighted, with the same rows dropped from the underflow column; and "measured"
-            unweighted = torch.cat([sums * (batch.weights > 0), torch.ones_like(sums[:, :1])], dim=1)
-            self.recent[batch.device][self.steps if self.per_step else 0].index_add_(0, batch.rows, unweighted.int())
+        if self.keep_recent:  # unweighted, with the same rows dropped from the underflow column
+            unweighted = sums * (batch.weights > 0)
+            if self.per_step:  # and which rows this step measured
+                unweighted = torch.cat([unweighted, torch.ones_like(unweighted[:, :1])], dim=1)
+            recent = self.recent[batch.device][self.steps if self.per_step else 0]
+            (recent if self.per_step else recent[:, :3]).index_add_(0, batch.rows, unweighted)
 
     def end_step(self) -> None:
         """Close a measured step whose batches were counted: with ``per_step``, the next one's counts go into a slot
