@@ -289,7 +289,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
             drawn = torch.randint(0, 1 << 32, (2,), generator=self._generator, dtype=torch.int64).tolist()
             self._step_key = tuple(as_int32(k) for k in drawn)
         start, key = self._step_key
-        position = self._positions()
+        position = self._positions(work)
         keys: list[Tensor | None] = []
         tables: dict[torch.device, Tensor] = {}
         for param, group in work:
@@ -302,10 +302,11 @@ class QuantizedAdamW(torch.optim.Optimizer):
             keys.append(tables[param.device][position[id(param)]])
         return keys
 
-    def _positions(self) -> dict[int, int]:
-        """Each parameter's position among the optimizer's (the noise keys' counter)."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        if self._position_of is None or len(self._position_of) != len(params):
+    def _positions(self, work: Sequence[tuple[Tensor, dict[str, Any]]]) -> dict[int, int]:
+        """Each parameter's position among the optimizer's (the noise keys' counter), made again when a parameter of
+        ``work`` is not in it (a param group added)."""
+        if self._position_of is None or any(id(param) not in self._position_of for param, _ in work):
+            params = [p for group in self.param_groups for p in group["params"]]
             self._position_of, self._base_tables = {id(p): i for i, p in enumerate(params)}, {}
         return self._position_of
 

@@ -62,7 +62,7 @@ class SyncEvent:
         op: the operation (``aten._local_scalar_dense``, ``Tensor.tolist``, ``torch.tensor``, ...).
         where: ``file:line in function`` of the code it is attributed to (the package's innermost frame where it is
             the package's).
-        ours: whether the package caused it (see :class:`HostSyncCounter`'s ``scope``).
+        ours: whether the package caused it (with ``scope=None`` the others are tallied too).
         pinned, non_blocking: for uploads, whether the source was pinned memory and the copy asked not to block (the
             one kind of upload that does not wait).
     """
@@ -91,18 +91,18 @@ class StepTally:
 
     @property
     def reads(self) -> int:
-        """The package's host reads in this step."""
-        return sum(1 for e in self.events if e.ours and e.kind == "read")
+        """The host reads tallied in this step."""
+        return sum(1 for e in self.events if e.kind == "read")
 
     @property
     def uploads(self) -> int:
-        """The package's uploads in this step (pinned and non-blocking or not)."""
-        return sum(1 for e in self.events if e.ours and e.kind == "upload")
+        """The uploads tallied in this step (pinned and non-blocking or not)."""
+        return sum(1 for e in self.events if e.kind == "upload")
 
     @property
     def syncs(self) -> int:
-        """The package's events that block the host: its reads and its uploads from pageable memory."""
-        return sum(1 for e in self.events if e.ours and e.blocking)
+        """The tallied events that block the host: the reads and the uploads from pageable memory."""
+        return sum(1 for e in self.events if e.blocking)
 
 
 class HostSyncCounter:
@@ -187,9 +187,8 @@ class HostSyncCounter:
         for tally in self.tallies if tallies is None else tallies:
             places: dict[str, int] = {}
             for e in tally.events:
-                if e.ours:
-                    place = f"{e.kind} {e.op}{'' if e.blocking else ' (pinned, non-blocking)'} at {e.where}"
-                    places[place] = places.get(place, 0) + 1
+                place = f"{e.kind} {e.op}{'' if e.blocking else ' (pinned, non-blocking)'} at {e.where}"
+                places[place] = places.get(place, 0) + 1
             lines.append(f"step {tally.index}{' (logs)' if tally.logs else ''}: {tally.reads} reads, "
                          f"{tally.uploads} uploads" + "".join(f"\n    {n} x {p}" for p, n in sorted(places.items())))
         return "\n".join(lines)
@@ -223,10 +222,10 @@ class HostSyncCounter:
         self.tallies.append(StepTally(len(self.tallies)))
 
     def record(self, kind: str, op: str, pinned: bool = False, non_blocking: bool = False) -> None:
-        """Tally one event of the step in progress (kept where ``scope`` counts it)."""
+        """Tally one event of the step in progress (where ``scope`` counts it)."""
         ours, where = self._attribute()
         if ours or self.scope is None:
-            self.tallies[-1].events.append(SyncEvent(kind, op, where, True, pinned, non_blocking))
+            self.tallies[-1].events.append(SyncEvent(kind, op, where, ours, pinned, non_blocking))
 
     def _attribute(self) -> tuple[bool, str]:
         """Whether the package caused the event being recorded, and where: the innermost frame that is neither a
