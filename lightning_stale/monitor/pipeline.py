@@ -27,6 +27,7 @@ from lightning_stale.monitor.options import MonitorOptions
 from lightning_stale.ranks import Reduce, summed
 from lightning_stale.vocab import WEIGHT
 
+
 class OptimizerPipeline:
     """The components of one optimizer and what runs around its steps.
 

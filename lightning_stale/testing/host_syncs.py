@@ -14,9 +14,10 @@ made from Python data or by a factory without a ``device`` argument or with ``de
 ``torch.zeros(n)``, ``torch.from_numpy``, torch.optim's non-capturable ``step``), moved with ``.cpu()`` or
 ``.to("cpu")``, or computed only from such tensors, stays on the host on an accelerator too, and reading it blocks
 nothing; every other tensor (parameters, gradients, optimizer state, what is made with ``device=param.device``)
-would be on the device. Reads are counted there, and the copies of host data into device tensors (``copy_``), but ``.to(param.device)`` cannot
-be told from host work, so uploads are counted exactly on a device run: :class:`~lightning_stale.testing.meta.MetaStandIn` runs the step
-path on torch's ``meta`` device and counts them exactly, with whether they came from pinned memory.
+would be on the device. Reads are counted there, and the copies of host data into device tensors (``copy_``); a
+``.to(param.device)`` cannot be told from host work there, so uploads are counted exactly on a device run:
+:class:`~lightning_stale.testing.meta.MetaStandIn` runs the step path on torch's ``meta`` device and counts them,
+with whether they came from pinned memory.
 """
 
 from __future__ import annotations
@@ -171,11 +172,6 @@ class HostSyncCounter:
     def mark_logging(self) -> None:
         """Mark the current step as one that logs (its reads are expected: they do not grow with the tensors)."""
         self.tallies[-1].logs = True
-
-    @property
-    def current(self) -> StepTally:
-        """The tally of the step in progress."""
-        return self.tallies[-1]
 
     def offenders(self, after: int = 0) -> list[StepTally]:
         """The steps from step ``after`` on that do not log and block the host (what should be none after set-up)."""
