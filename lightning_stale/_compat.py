@@ -313,8 +313,10 @@ COMPILE_MIN_NUMEL = 1 << 16  # the package's kernels compile for at least this m
 
 def compiles(numel: int, device: Any) -> bool:
     """Whether a kernel over ``numel`` elements on ``device`` should run ``torch.compile``d: large enough to repay the
-    compile, and a compiler for the device (Triton on accelerators, a C++ compiler on CPU)."""
-    return numel >= COMPILE_MIN_NUMEL and (getattr(device, "type", device) != "cpu" or compiler_available())
+    compile, and a compiler for the device (Triton on accelerators, a C++ compiler on CPU; none for ``meta``, which
+    holds no data)."""
+    kind = getattr(device, "type", device)
+    return numel >= COMPILE_MIN_NUMEL and kind != "meta" and (kind != "cpu" or compiler_available())
 
 
 def _vectorized_bitcast(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -431,6 +433,26 @@ def multi_tensor_compile(emulate_casts: bool = False, recompile_limit: int = 64)
     finally:
         for restore in reversed(undo):
             restore()
+
+
+def dispatch_mode(handler: Callable[[Any, tuple, dict], Any]) -> Any:
+    """A ``TorchDispatchMode`` (torch's private ``torch.utils._python_dispatch``) whose every aten call goes to
+    ``handler(func, args, kwargs)``, for the host-sync counter of :mod:`lightning_stale.testing`. Where torch moved
+    it, RuntimeError: a counter that cannot see the operations must not report none."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError as error:  # pragma: no cover - moved private API
+        raise RuntimeError(f"this torch has no TorchDispatchMode to count host syncs with ({error})") from error
+
+    class _Dispatch(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:  # torch.compile'd regions compile and run as they would without it
+            return True
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            return handler(func, args, kwargs or {})
+
+    return _Dispatch()
 
 
 def bnb_dequantize_blockwise(codes: Any, absmax: Any, qmap: Any, block: int) -> Any:

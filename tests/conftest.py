@@ -1,5 +1,6 @@
 """Fixtures, and one intra-op thread per test process: the device every device-parametrized test runs on (``cpu``
-always, ``cuda`` when present) and a fresh bitsandbytes override registry per test. The helpers the test files share
+always, ``cuda`` when present), a fresh bitsandbytes override registry per test, and the host-sync counter entered
+for the whole test (``host_syncs``). The helpers the test files share
 live in ``helpers.py``.
 
 The tests' tensors are small, and on a machine whose cores are busy with something else, intra-op threads that wait on
@@ -41,3 +42,13 @@ def fresh_bitsandbytes_overrides():
     GlobalOptimManager.get_instance().initialize()
     yield
     GlobalOptimManager.get_instance().initialize()
+
+
+@pytest.fixture
+def host_syncs():
+    """A :class:`~lightning_stale.testing.HostSyncCounter` entered for the whole test (it must see the optimizer's
+    first step): the test marks its logging steps and checks ``offenders`` afterwards."""
+    from lightning_stale.testing import HostSyncCounter
+
+    with HostSyncCounter() as counter:
+        yield counter

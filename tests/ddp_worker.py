@@ -37,19 +37,22 @@ from lightning_stale.policies import AdaptiveReset
 class TwoOptimizers(L.LightningModule):
     """``first`` (8192 + 256 elements) on bitsandbytes AdamW8bit, ``second`` (1024 + 4) on QuantizedAdamW."""
 
-    def __init__(self, beta2: float = 0.8, by_step: bool = False) -> None:
+    def __init__(self, beta2: float = 0.8, by_step: bool = False, spread: bool = False) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.beta2, self.by_step = beta2, by_step
         self.first = nn.Linear(32, 256)
         self.second = nn.Linear(256, 4)
+        # ``spread``: the hidden units' scales span six decades, so the fp8 v of the second layer's weights that read
+        # the smallest ones underflows whatever the rounding noise (its per-tensor scale follows the largest)
+        self.register_buffer("scales", torch.logspace(-6, 0, 256) if spread else torch.ones(256))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         if self.by_step:  # the data of each step follow the step count, which a resume restores (not the loader's)
             g = torch.Generator().manual_seed(1000 * self.global_rank + self.global_step)
             x, y = torch.randn(8, 32, generator=g).to(x.dtype), torch.randn(8, 4, generator=g).to(y.dtype)
-        loss = nn.functional.mse_loss(self.second(torch.relu(self.first(x))), y)
+        loss = nn.functional.mse_loss(self.second(torch.relu(self.first(x)) * self.scales), y)
         optimizers = self.optimizers()
         for opt in optimizers:
             opt.zero_grad()
@@ -116,7 +119,7 @@ def main(out: Path, reset: str, steps: int, resume: str | None = None) -> None:
     elif reset == "auto":
         # Per-rank samples see different underflow; only the agreed readings keep the guards (and m) identical.
         callback = RecordingCallback(remedy="auto", sample_size=512, seed=rank)
-        model = TwoOptimizers(beta2=0.999)
+        model = TwoOptimizers(beta2=0.999, spread=True)
     elif reset in ("weights", "weights-auto"):
         # bf16 weights, per-rank samples: the write-back's stochastic rounding must not depend on the rank, nor the
         # automatic remedy's choices and compensation buffers (rank 0's are the ones a checkpoint keeps).

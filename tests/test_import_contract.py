@@ -87,8 +87,10 @@ def test_theory_imports_nothing_of_the_monitor(path: Path) -> None:
 # below its own and from inside its own part: nothing runs back up, and no two parts of one layer lean on each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_compat.py",),  # other packages' private and version-dependent APIs
+    ("testing",),  # the host-sync counter and the meta stand-in: they lean on nothing they measure
     ("vocab.py",),  # names and argument checks
-    ("messages.py", "ranks.py", "state.py"),  # what the user is told, sums across ranks, the saved state's versions
+    # what the user is told, sums across ranks, the saved state's versions, copies to the device
+    ("messages.py", "ranks.py", "state.py", "transfers.py"),
     ("formats", "theory"),  # number formats; the stall theory
     ("sim.py", "optim"),  # the theory's simulation; QuantizedAdamW
     ("adapters",),  # optimizer state -> slots (and their samples)

@@ -20,6 +20,7 @@ from lightning_stale.adapters.protocol import Slot, take
 from lightning_stale.adapters.sampling import Sample
 from lightning_stale.formats.base import grid_spacing_table, pack_nibbles, unpack_nibbles
 from lightning_stale.formats.fp8 import e4m3_spacing
+from lightning_stale.transfers import to_device
 
 
 
@@ -127,26 +128,36 @@ def _of_map(qmap: Tensor, what: str, build: Callable[[Tensor], Any]) -> Any:
     return entry[1]
 
 
+def _host_map(qmap: Tensor) -> Tensor:
+    """The map's values on the host: read once per map, when its first slot is made (the step its state appears);
+    everything else derived from the map is computed from this copy."""
+    return _of_map(qmap, "host", lambda q: q.detach().cpu())
+
+
 def _value_over_spacing(qmap: Tensor) -> Tensor:
     """``|value| / spacing`` of every code of a map (float64, on its device); 0 where the value is zero or the
     spacing unknown (such elements are left out of the grid estimate)."""
-    values = qmap.detach().double().abs().cpu()
-    spacing = grid_spacing_table(qmap.detach().float().cpu()).double()
-    keep = (values > 0) & (spacing > 0) & torch.isfinite(spacing)
-    return torch.where(keep, values / torch.where(keep, spacing, 1.0), 0.0).to(qmap.device)
+
+    def build(q: Tensor) -> Tensor:
+        host = _host_map(q)
+        values, spacing = host.double().abs(), grid_spacing_table(host.float()).double()
+        keep = (values > 0) & (spacing > 0) & torch.isfinite(spacing)
+        return to_device(torch.where(keep, values / torch.where(keep, spacing, 1.0), 0.0), q.device)
+
+    return _of_map(qmap, "value/spacing", build)
 
 
 def _spacing_table(qmap: Tensor) -> Tensor:
     """The ulp-convention spacing of every code of a map, on its device."""
-    return _of_map(qmap, "spacing", lambda q: grid_spacing_table(q.detach().float().cpu()).to(q.device))
+    return _of_map(qmap, "spacing", lambda q: to_device(grid_spacing_table(_host_map(q).float()), q.device))
 
 
 def _zero_entry(qmap: Tensor) -> tuple[int, bool]:
-    """(the code of the map entry nearest zero, whether that entry is exactly zero): one host read per map, so the
-    underflow guard's per-step test and write compare against a Python int."""
+    """(the code of the map entry nearest zero, whether that entry is exactly zero), from the map's host copy, so
+    the underflow guard's per-step test and write compare against a Python int."""
 
     def build(q: Tensor) -> tuple[int, bool]:
-        flat = q.detach().reshape(-1)
+        flat = _host_map(q).reshape(-1)
         code = int(torch.argmin(flat.abs()))
         return code, float(flat[code]) == 0.0
 
@@ -159,7 +170,7 @@ def _zero_lane(qmap: Tensor, bits: int) -> tuple[int | None, int | None]:
 
     def build(q: Tensor) -> tuple[int | None, int | None]:
         every = (1 << bits) - 1
-        zeros = torch.nonzero(q.detach().reshape(-1) == 0).reshape(-1).tolist()
+        zeros = torch.nonzero(_host_map(q).reshape(-1) == 0).reshape(-1).tolist()
         if not zeros:
             return None, every
         if len(zeros) == 1:
@@ -185,6 +196,9 @@ class BlockQmapSlot(Slot):
     block_size: int
 
     lane_bits: ClassVar[int] = 8  # bits per stored code (the underflow guard's lanes)
+
+    def __post_init__(self) -> None:
+        _host_map(self.qmap)  # its one read, now: the step its state appears
 
     def state_tensors(self) -> list[Tensor]:
         return [self.stored, self.scale]  # the map is a shared table (adapters may rebuild it for each read)

@@ -152,11 +152,28 @@ class OptimizerAdapter(ABC):
         """Reset the chosen moments (None = all) of the chosen params (None = all) in place, bias-correction age
         included, to the state a freshly constructed optimizer would have."""
 
-    def steps_taken(self, param: Tensor) -> int | None:
-        """Optimizer steps behind ``param``'s current state (its ``step`` counter), None when unknown. Used to age a
-        state that existed before monitoring began (a checkpoint saved without the monitor)."""
-        step = self.optimizer.state.get(param, {}).get("step")
-        return None if step is None else int(step)
+    def step_counter(self, param: Tensor) -> Tensor | int | float | None:
+        """``param``'s optimizer step counter as the optimizer keeps it (its ``step``: a number, or a tensor that may
+        live on the device: torch's fused and capturable optimizers), None when there is none; nothing is read."""
+        return self.optimizer.state.get(param, {}).get("step")
+
+    def steps_taken(self, params: Sequence[Tensor]) -> list[int | None]:
+        """Optimizer steps behind each of ``params``' current state (:meth:`step_counter`), None where unknown, with
+        one host read per device for counters kept on devices. Used to age a state that existed before monitoring
+        began (a checkpoint saved without the monitor)."""
+        counters = [self.step_counter(p) for p in params]
+        out: list[int | None] = [None] * len(counters)
+        on_devices: dict[torch.device, list[int]] = {}
+        for i, counter in enumerate(counters):
+            if isinstance(counter, Tensor):
+                on_devices.setdefault(counter.device, []).append(i)
+            elif counter is not None:
+                out[i] = int(counter)
+        for indices in on_devices.values():
+            values = torch.stack([counters[i].reshape(()).double() for i in indices]).cpu().tolist()
+            for i, value in zip(indices, values):
+                out[i] = int(value)
+        return out
 
     def reset_exact(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
         """The paper's exact per-moment reset where the optimizer keeps one age per moment, even when it is unsafe

@@ -20,6 +20,7 @@ from lightning_stale.adapters.layouts import BlockFp8Slot, BlockQmapSlot, FloatS
 from lightning_stale.adapters.protocol import MOMENTS, Moment, OptimizerAdapter, Slot, resolve_moments
 from lightning_stale.adapters.restart import restarted_v
 from lightning_stale.formats import QuantizedState, StateFormat
+from lightning_stale.formats.base import on_device
 from lightning_stale.optim import QuantizedAdamW
 from lightning_stale.vocab import Rounding
 
@@ -32,7 +33,8 @@ def format_slot(p: Tensor, moment: Moment, beta: float, fmt: StateFormat, q: Qua
     (scaled per block, or per tensor), a plain float tensor, or float8 codes times a scale."""
     key = KEYS[moment]
     block_size = fmt.block_size or q.shape.numel()  # elements per scale
-    grid = fmt.grid()
+    grid = fmt.grid()  # the format's shared table, on the host: read on the codes' device
+    grid = None if grid is None else on_device(grid, q.codes.device)
     if grid is not None and fmt.bits in CODE_LAYOUTS:
         return CODE_LAYOUTS[fmt.bits](p, moment, beta, fmt.name, key, stored=q.codes, scale=q.scale, qmap=grid,
                                       block_size=block_size)
@@ -78,9 +80,8 @@ class QuantizedAdamWAdapter(OptimizerAdapter):
                 group["rounding"] = "stochastic"
         return True
 
-    def steps_taken(self, param: Tensor) -> int | None:
-        step = self.optimizer.state.get(param, {}).get("step_v")
-        return None if step is None else int(step)
+    def step_counter(self, param: Tensor) -> Tensor | None:
+        return self.optimizer.state.get(param, {}).get("step_v")
 
     def reset_exact(self, moments: Sequence[Moment] | None = None, params: Iterable[Tensor] | None = None) -> None:
         """The paper's per-moment reset, v-only included (unbounded first update: see the module docstring)."""
@@ -89,16 +90,17 @@ class QuantizedAdamWAdapter(OptimizerAdapter):
 
     @torch.no_grad()
     def restart_v(self, group: dict, p: Tensor, state: dict) -> None:
-        """Keep m and both ages; write v so that the next update is bounded (see :mod:`.restart`)."""
-        step_m, step_v = int(state["step_m"]), int(state["step_v"])
-        if step_v == 0 or step_m == 0:
-            self.optimizer.reset_moments(("v",), [p])
-            return
+        """Keep m and both ages; write v so that the next update is bounded (see :mod:`.restart`), or zero it and its
+        age where a moment has no age yet. The ages stay on their device: computed there, nothing read back."""
+        step_m, step_v = state["step_m"].double(), state["step_v"].double()
         beta1, beta2 = group["betas"]
         m_format = self.optimizer.moment_format(p, "m")
         m_hat = m_format.dequantize(self.optimizer.moment_state(p, "m")).reshape(-1) / (1.0 - beta1**step_m)
         target = restarted_v(m_hat, None if p.grad is None else p.grad.reshape(-1), step_v, beta2)
-        self.optimizer.moment_format(p, "v").round_up_into(self.optimizer.moment_state(p, "v"), target)
+        unaged = (step_m == 0) | (step_v == 0)  # a moment without an age: v restarts from zero, its age too
+        self.optimizer.moment_format(p, "v").round_up_into(self.optimizer.moment_state(p, "v"),
+                                                             torch.where(unaged, 0.0, target))
+        state["step_v"].masked_fill_(unaged, 0)
 
 
 ADAPTERS = {QuantizedAdamW: QuantizedAdamWAdapter}

@@ -25,11 +25,12 @@ import torch
 from torch import Tensor
 
 
-def restarted_v(numerator: Tensor, grad: Tensor | None, step: int, beta2: float) -> Tensor:
+def restarted_v(numerator: Tensor, grad: Tensor | None, step: int | Tensor, beta2: float) -> Tensor:
     """The fp32 stored v that makes next step's ``v_hat`` equal ``max(grad**2, numerator**2)`` (see module doc).
 
     ``numerator`` is the bias-corrected update numerator at the current ``step`` (the optimizer's shared counter,
-    kept); ``grad`` the gradient of the last step, or None when it is gone (the ``numerator`` floor alone is used).
+    kept; a number, or a 0-d tensor on any device); ``grad`` the gradient of the last step, or None when it is gone
+    (the ``numerator`` floor alone is used).
     """
     num2 = numerator.float().square()
     g2 = grad.float().square().reshape(num2.shape) if grad is not None else torch.zeros_like(num2)

@@ -81,20 +81,26 @@ class TorchAdamAdapter(SharedStepAdapter):
         state["exp_avg"].zero_()
 
     def restart_v(self, group: dict, p: Tensor, state: dict) -> None:
-        step = int(state["step"])
-        if step == 0:
-            state["exp_avg_sq"].zero_()
-            return
         grad = _moment_grad(self.optimizer, group, p)  # computed on this process's shards (DTensors under FSDP2)
-        target = restarted_v(self.numerator(group, state, grad, step), grad, step, group["betas"][1])
+        if group.get("capturable") or group.get("fused"):  # ``step`` lives on the device: computed there, unread
+            step = local_tensor(state["step"]).double()
+            target = restarted_v(self.numerator(group, state, grad, step), grad, step, group["betas"][1])
+            target = torch.where(step == 0, 0.0, target)  # no step yet: v restarts from zero
+        else:
+            step = int(state["step"])
+            if step == 0:
+                state["exp_avg_sq"].zero_()
+                return
+            target = restarted_v(self.numerator(group, state, grad, step), grad, step, group["betas"][1])
         for key in ("exp_avg_sq", "max_exp_avg_sq"):
             if key in state:
                 stored = local_tensor(state[key])
                 stored.copy_(round_up_float(target, stored.dtype))
 
-    def numerator(self, group: dict, state: dict, grad: Tensor | None, step: int) -> Tensor:
+    def numerator(self, group: dict, state: dict, grad: Tensor | None, step: int | Tensor) -> Tensor:
         """The update numerator the restarted v must cover (:func:`.restart.restarted_v`): Adam's bias-corrected
-        ``m / (1 - beta1**step)``, whose next value lies between it and the next gradient."""
+        ``m / (1 - beta1**step)``, whose next value lies between it and the next gradient (``step``: a number, or a
+        0-d tensor on the device)."""
         return local_tensor(state["exp_avg"]).float() / (1.0 - group["betas"][0] ** step)
 
 

@@ -132,15 +132,16 @@ class Ledger:
         return self._keyed.keys
 
     def sync(self, units: list[TrackedParam],
-             initial_age: Callable[[TrackedParam], int] | None = None) -> list[LedgerRow]:
+             initial_ages: Callable[[list[TrackedParam]], list[int]] | None = None) -> list[LedgerRow]:
         """Align with the engine's units (same order), keeping each known parameter's fields; returns the new ones.
 
         A new parameter takes its fields from a loaded checkpoint (or from before its state went away) when there is
-        one, else starts at ``initial_age(unit)`` (the age of optimizer state that existed before monitoring began)
-        or 0."""
+        one, else starts at its age from ``initial_ages(units)`` (called once, with all such parameters: the age of
+        optimizer state that existed before monitoring began) or 0."""
         arrays = {name: np.full(len(units), default, dtype=kind) for name, (kind, default) in FIELDS.items()}
         sources = [""] * len(units)
         fresh: list[int] = []
+        unaged: list[int] = []
         # a parameter whose state went away (a reset that deletes a buffer) keeps its history for when it returns
         moves = self._keyed.rebuild([u.key for u in units], self._saved)
         for i, unit in enumerate(units):
@@ -152,13 +153,15 @@ class Ledger:
             else:
                 fresh.append(i)
                 restored = moves.returned.get(unit.key)
-                if restored is None and initial_age is not None:
-                    arrays["age"][i] = initial_age(unit)
+                if restored is None:
+                    unaged.append(i)
                 for name in HISTORY + ("period",) if restored is not None else ():
                     if name in restored:
                         arrays[name][i] = restored[name]
                 if restored is not None and "period" in restored:  # the period the same policy chose
                     sources[i] = restored.get("period_source", "")
+        if unaged and initial_ages is not None:
+            arrays["age"][unaged] = initial_ages([units[i] for i in unaged])
         self.arrays, self.sources = arrays, sources
         self.rows = [LedgerRow(self, i, unit) for i, unit in enumerate(units)]
         self.betas = np.array([_beta(u.driver()) for u in self.rows], dtype=np.float64)

@@ -41,8 +41,10 @@ def check_band(band: float) -> float:
 class ResetPolicy:
     """Base class. ``moments`` names the moments a reset restores; ``needs_sync`` says whether decisions depend on
     per-rank measurements (then the monitor sums them across ranks so every rank resets at the same step);
-    ``needs_measurement`` asks for each measured step's stall fractions (:meth:`observe`). The drift readings of
-    check steps (``unit.drift``, already agreed across ranks) are there for every policy."""
+    ``needs_measurement`` asks for each measured step's stall fractions (:meth:`observe`), which the monitor keeps
+    on the device and hands over at check steps (every ``coverage_steps``, in the order they were measured: no host
+    read on the steps between). The drift readings of check steps (``unit.drift``, already agreed across ranks) are
+    there for every policy."""
 
     needs_sync: bool = True
     needs_measurement: bool = False
@@ -55,7 +57,7 @@ class ResetPolicy:
         choose its period)."""
 
     def observe(self, unit: LedgerRow, stall_fraction: float) -> None:
-        """Called on measured steps with the driver slot's stall fraction of that step."""
+        """Called with the driver slot's stall fraction of each measured step, at the next check step."""
 
     def should_reset(self, unit: LedgerRow, step: int) -> bool:
         """Whether to reset ``unit`` now, right after its optimizer's ``step``-th real step (skipped steps do not
@@ -128,8 +130,10 @@ class TheoryReset(ResetPolicy):
 class AdaptiveReset(ResetPolicy):
     """Reset when the cycle-averaged excess staleness reaches the EMA's remaining statistical error (paper Alg. 2).
 
-    On every measured step ``A += max(0, (S - s0) / (1 - s0))`` with ``S`` the driver slot's stall fraction
-    (``P_ss := 1``), and the unit resets once ``A / n >= E(k)``, ``k`` its age, and ``k >= min_interval``.
+    For every measured step ``A += max(0, (S - s0) / (1 - s0))`` with ``S`` the driver slot's stall fraction
+    (``P_ss := 1``), and the unit resets once ``A / n >= E(k)``, ``k`` its age, and ``k >= min_interval``. The
+    measured fractions reach the policy at check steps (every ``coverage_steps``: one host read then, none on the
+    steps between), so ``A`` and ``n`` are those of the steps up to the last check, while ``k`` is the current age.
     """
 
     needs_measurement = True

@@ -35,18 +35,19 @@ def threshold(slot: Slot, sample: Sample, lr: float) -> Tensor:
 
 
 @torch.no_grad()
-def predicted_stall(weight: Slot, m: Slot, v: Slot, sample: Sample, group: dict[str, Any], step: int,
+def predicted_stall(weight: Slot, m: Slot, v: Slot, sample: Sample, group: dict[str, Any], step: Tensor | int,
                     decoupled: bool, stochastic: bool) -> Tensor:
     """(predicted stalls, elements) of the sampled weights at this state, a float64 2-vector: the Adam update
     ``lr * (m_hat / (sqrt(v_hat) + eps) + wd * w)`` from the optimizer's own moments and group, against half the grid
     gap (nearest rounding: the weight keeps its value below it) or, with ``stochastic`` rounding or compensated
     summation, the chance ``1 - |update| / gap`` that it keeps its value this step. Elements whose m is zero (no
-    gradient yet) are left out, as the measured stall leaves out zero gradients."""
+    gradient yet) are left out, as the measured stall leaves out zero gradients. ``step``: the optimizer's step
+    counter as it keeps it (a tensor on the device is used there, not read)."""
     index = sample.positions(weight.param.device)
     w, gap = weight.value_at(index), weight.spacing_at(index)
     m_values, v_values = m.value_at(index), v.value_at(index)
     lr, (beta1, beta2), eps = float(group["lr"]), group["betas"], float(group["eps"])
-    step = max(step, 1)
+    step = step.double().clamp(min=1) if isinstance(step, Tensor) else max(step, 1)
     update = (m_values / (1 - beta1**step)) / ((v_values / (1 - beta2**step)).sqrt() + eps)
     if decoupled and group.get("weight_decay", 0.0):
         update = update + float(group["weight_decay"]) * w

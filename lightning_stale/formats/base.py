@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_stale.formats.noise import NOISE_BITS
+from lightning_stale.transfers import to_device
 from lightning_stale.vocab import check_rounding
 
 
@@ -29,10 +30,13 @@ class QuantizedState:
 
 
 def random_bits(like: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Uniform int32 noise in [0, 2^NOISE_BITS) shaped like ``like``, drawn from ``generator`` (a private one if
-    None), never from the global RNG."""
-    generator = generator or private_generator()
-    return torch.randint(0, 1 << NOISE_BITS, like.shape, generator=generator, device=like.device, dtype=torch.int32)
+    """Uniform int32 noise in [0, 2^NOISE_BITS) shaped like ``like``, on its device, drawn from ``generator`` (a
+    private one on that device if None), never from the global RNG. A generator draws on its own device (a CPU one
+    for a CUDA tensor: drawn on the host, then copied)."""
+    generator = generator or private_generator(like.device)
+    bits = torch.randint(0, 1 << NOISE_BITS, like.shape, generator=generator, device=generator.device,
+                         dtype=torch.int32)
+    return bits.to(like.device)
 
 
 def uniform_from_bits(bits: Tensor) -> Tensor:
@@ -40,9 +44,13 @@ def uniform_from_bits(bits: Tensor) -> Tensor:
     return bits.to(torch.float32).mul_(2.0**-NOISE_BITS)
 
 
-def private_generator() -> torch.Generator:
-    """A fresh CPU generator seeded from the OS, for callers that pass no generator (keeps the global RNG untouched)."""
-    generator = torch.Generator()
+def private_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh generator on ``device`` (on the CPU where that device has none) seeded from the OS, for callers that
+    pass no generator (keeps the global RNG untouched)."""
+    try:
+        generator = torch.Generator(device=device)
+    except RuntimeError:  # a device without generators (meta)
+        generator = torch.Generator()
     generator.seed()
     return generator
 
@@ -142,7 +150,8 @@ class StateFormat(ABC):
         grid = self.grid()
         if grid is None or q.scale is None:
             raise TypeError(f"state format {self.name!r} has no rounded-up write")
-        codes, absmax = round_up_blockwise(target, grid.to(target.device), self.block_size or max(target.numel(), 1))
+        codes, absmax = round_up_blockwise(target, on_device(grid, target.device),
+                                           self.block_size or max(target.numel(), 1))
         q.scale.copy_(absmax.clamp_min(1e-12))
         q.codes.view(-1).copy_(self.pack_codes(codes))
 
@@ -212,7 +221,7 @@ def on_device(table: Tensor, device: torch.device) -> Tensor:
         return table
     key = (id(table), device)
     if key not in _DEVICE_TABLES:
-        _DEVICE_TABLES[key] = (table, table.to(device))
+        _DEVICE_TABLES[key] = (table, to_device(table, device))
     return _DEVICE_TABLES[key][1]
 
 

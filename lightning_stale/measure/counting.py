@@ -19,9 +19,11 @@ from torch import Tensor
 from lightning_stale.formats.base import unpack_nibbles
 from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.units import Entry, TrackedParam
+from lightning_stale.transfers import to_devices
 
 STALLED, COUNTED, UNDERFLOW, MEASURED = range(4)  # columns of a window's per-slot totals (MEASURED: on the host)
 N_STATS = 4
+RECENT_COLUMNS = 4  # the recent sums: stalled, counted, underflow, and whether the slot was measured (per step)
 EXACT_BATCH = 1 << 22  # elements compared in one batch in exact mode (bounds the transient memory)
 PER_SLOT_COUNTS = 1 << 13  # mean sampled elements per parameter from which a batch counts slot by slot
 
@@ -55,7 +57,7 @@ class Batch:
 
     @property
     def device(self) -> torch.device:
-        return self.rows.device
+        return self.units[0].param.device
 
     @property
     def entries(self) -> list[Entry]:
@@ -93,7 +95,7 @@ class Batch:
 
 def plan_batches(units: list[TrackedParam], sample_size: int, local_row: dict[str, int]) -> list[Batch]:
     """The batches of one cohort: its parameters grouped by layout (``local_row``: each slot's row in its device's
-    totals matrix)."""
+    totals matrix), their tables on the host until :func:`place_batches` moves them."""
     groups: dict[tuple, list[list[TrackedParam]]] = {}
     for unit in units:
         if unit.sample.count == 0:  # an empty (shard of a) parameter: nothing to read
@@ -109,8 +111,18 @@ def plan_batches(units: list[TrackedParam], sample_size: int, local_row: dict[st
     return [_batch(units, local_row) for split in groups.values() for units in split]
 
 
+def place_batches(batches: list[Batch]) -> None:
+    """Move the tables of ``batches`` to their devices, all of a device's in one copy (:func:`to_devices`)."""
+    names = ("last", "rows", "weights", "zero_codes")
+    tables = [getattr(batch, name) for batch in batches for name in names]
+    placed = iter(to_devices(tables, [batch.device for batch in batches for _ in names]))
+    for batch in batches:
+        for name in names:
+            setattr(batch, name, next(placed))
+
+
 def _batch(units: list[TrackedParam], local_row: dict[str, int]) -> Batch:
-    device, k = units[0].param.device, len(units[0].entries)
+    k = len(units[0].entries)
     lengths = [u.sample.numel for u in units]
     entries = [u.entries[i] for i in range(k) for u in units]
     zeros = [e.slot.zero_code() if e.moment == "v" else None for e in units[0].entries]  # one layout per row
@@ -118,13 +130,13 @@ def _batch(units: list[TrackedParam], local_row: dict[str, int]) -> Batch:
                for i, w in enumerate(e.unit.numel / e.unit.sample.numel for e in entries)]
     zero_codes = None
     if any(zeros):
-        zero_codes = torch.tensor([[z or 0] for z in zeros], device=device)
+        zero_codes = torch.tensor([[z or 0] for z in zeros])
     return Batch(
         units, k, tuple(e.slot.packed for e in units[0].entries),
         [None if e.slot.gathered else e.slot.sampled_codes(e.unit.sample) for e in entries], lengths,
-        torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64, device=device),
-        torch.tensor([local_row[e.key] for e in entries], dtype=torch.int64, device=device),
-        torch.tensor(weights, dtype=torch.float64, device=device), zero_codes, [z is not None for z in zeros],
+        torch.tensor(np.cumsum(lengths) - 1, dtype=torch.int64),
+        torch.tensor([local_row[e.key] for e in entries], dtype=torch.int64),
+        torch.tensor(weights, dtype=torch.float64), zero_codes, [z is not None for z in zeros],
         sum(lengths) / len(lengths) >= PER_SLOT_COUNTS,
         np.array([e.row for e in entries], dtype=np.int64),
         np.array([e.unit.position for e in entries], dtype=np.int64),
@@ -133,52 +145,64 @@ def _batch(units: list[TrackedParam], local_row: dict[str, int]) -> Batch:
 
 class Counts:
     """Per-slot sums of one optimizer: weighted (stalled, counted, underflow) on each slot's device since the last
-    window, measured steps per slot on the host, and, for readers that decide from fresh counts (the adaptive policy,
-    the automatic remedy), unweighted sums since each reader's last read.
+    window, measured steps per slot on the host, and, for the readers that decide from fresh counts (the check steps'
+    signals, a policy that observes every measured step), unweighted sums since their last read, on the device.
 
     Args:
-        readers: the names of the readers of :meth:`take_recent` (none: recent sums are not kept).
+        recent: keep the unweighted sums since the last :meth:`take_recent`.
+        per_step: keep them measured step by measured step (a policy that observes each one), read at the same time.
     """
 
-    def __init__(self, readers: tuple[str, ...] = ()) -> None:
-        self.readers = readers
+    def __init__(self, recent: bool = False, per_step: bool = False) -> None:
+        self.keep_recent, self.per_step = recent or per_step, per_step
         self.totals: dict[torch.device, Tensor] = {}  # per device: (its rows, 3) weighted stalled/counted/underflow
-        self.recent: dict[torch.device, Tensor] = {}  # per device: (its rows, 3) int32, when there are readers
+        # per device: (step slots, its rows, RECENT_COLUMNS) int32 unweighted sums, when kept: one slot that every
+        # measured step adds into, or one per measured step with ``per_step``
+        self.recent: dict[torch.device, Tensor] = {}
+        self.steps = 0  # measured steps held in ``recent`` since the last take_recent (``per_step``)
         self.measured = np.zeros(0)  # per row: measured steps in the window
         self.local_row: dict[str, int] = {}  # slot key -> row in its device's totals
         self.rows: KeyedRows[dict[str, Any]] = KeyedRows()  # slot key -> row; the sums of slots not held now
         self._where: dict[str, torch.device] = {}  # slot key -> its device
         self._device_rows: dict[torch.device, list[int]] = {}  # per device: the global row of each local row
-        self._unread: dict[str, np.ndarray] = {}  # per reader: recent sums read on behalf of it, not yet taken
 
     def rebuild(self, entries: dict[str, Entry]) -> None:
-        """New rows for the slots ``entries`` (in row order), carrying each kept slot's sums; a slot that went away
-        keeps its sums for when it comes back (as do a loaded checkpoint's slots until they appear)."""
+        """New rows for the slots ``entries`` (in row order), carrying each kept slot's sums (its recent ones too, on
+        the device); a slot that went away keeps its window's sums for when it comes back (as do a loaded
+        checkpoint's slots until they appear, with their measured steps not taken yet)."""
         groups: dict[torch.device, list[Entry]] = {}
         for entry in entries.values():
             groups.setdefault(entry.slot.param.device, []).append(entry)
         totals = {d: torch.zeros(len(g), 3, dtype=torch.float64, device=d) for d, g in groups.items()}
         measured = np.zeros(len(entries))
         moves = self.rows.rebuild(entries, self._saved)
+        steps = max([self.steps] + [len(saved.get("recent", ())) for saved in moves.returned.values()])
+        slots = max(1, 2 * steps) if self.per_step else 1
+        recent = {d: torch.zeros(slots, len(g), RECENT_COLUMNS, dtype=torch.int32, device=d)
+                  for d, g in groups.items()} if self.keep_recent else {}
         for device, group in groups.items():
             for local, entry in enumerate(group):
                 if entry.key in moves.kept:
-                    totals[device][local] = self.totals[self._where[entry.key]][self.local_row[entry.key]]
+                    where, old = self._where[entry.key], self.local_row[entry.key]
+                    totals[device][local] = self.totals[where][old]
                     measured[entry.row] = self.measured[moves.kept[entry.key]]
+                    if self.keep_recent:
+                        kept = self.recent[where][:slots, old]
+                        recent[device][:len(kept), local] = kept
                 elif entry.key in moves.returned:
                     saved = moves.returned[entry.key]
                     totals[device][local] = saved["totals"].to(totals[device])
                     measured[entry.row] = saved["measured"]
-        self.totals, self.measured = totals, measured
-        self.recent = {d: torch.zeros(len(g), 3, dtype=torch.int32, device=d) for d, g in groups.items()} \
-            if self.readers else {}
-        self._unread = {}
+                    if self.per_step and saved.get("recent"):
+                        pending = torch.tensor(saved["recent"], dtype=torch.int32)
+                        recent[device][:len(pending), local] = pending.to(device)
+        self.totals, self.measured, self.recent, self.steps = totals, measured, recent, steps
         self._where = {e.key: d for d, g in groups.items() for e in g}
         self.local_row = {e.key: local for g in groups.values() for local, e in enumerate(g)}
         self._device_rows = {d: [e.row for e in g] for d, g in groups.items()}
 
     def _saved(self, key: str, row: int) -> dict[str, Any]:
-        """The sums of a slot that went away, on the host (what the stash keeps until it comes back)."""
+        """The window's sums of a slot that went away, on the host (what the stash keeps until it comes back)."""
         return {"totals": self.totals[self._where[key]][self.local_row[key]].cpu(),
                 "measured": float(self.measured[row])}
 
@@ -223,8 +247,22 @@ class Counts:
 
     def _add(self, batch: Batch, sums: Tensor) -> None:
         self.totals[batch.device].index_add_(0, batch.rows, sums.double().mul_(batch.weights))
-        if self.readers:  # unweighted, with the same rows dropped from the underflow column
-            self.recent[batch.device].index_add_(0, batch.rows, sums * (batch.weights > 0))
+        if self.keep_recent:  # unweighted, with the same rows dropped from the underflow column
+            unweighted = sums * (batch.weights > 0)
+            if self.per_step:  # and which rows this step measured
+                unweighted = torch.cat([unweighted, torch.ones_like(unweighted[:, :1])], dim=1)
+            recent = self.recent[batch.device][self.steps if self.per_step else 0]
+            (recent if self.per_step else recent[:, :3]).index_add_(0, batch.rows, unweighted)
+
+    def end_step(self) -> None:
+        """Close a measured step whose batches were counted: with ``per_step``, the next one's counts go into a slot
+        of their own (the slots double on the device when they are full)."""
+        if not self.per_step:
+            return
+        self.steps += 1
+        for device, recent in self.recent.items():
+            if self.steps == len(recent):
+                self.recent[device] = torch.cat([recent, torch.zeros_like(recent)])
 
     def window(self) -> Tensor:
         """Per-slot totals since the last :meth:`reset_window`, (rows, N_STATS) float64 on the host in row order (one
@@ -241,33 +279,42 @@ class Counts:
             local.zero_()
         self.measured[:] = 0.0
 
-    def take_recent(self, reader: str) -> np.ndarray:
-        """Unweighted (stalled, counted, underflow) sums of every slot since ``reader``'s previous call, (rows, 3) on
-        the host in row order (one host read; what the other readers have not taken yet is kept for them)."""
-        fresh = np.zeros((len(self.measured), 3), dtype=np.int64)
-        for device, recent in self.recent.items():
-            fresh[self._device_rows[device]] = recent.cpu().numpy()
-            recent.zero_()
-        for other in self.readers:
-            if other != reader:
-                self._unread[other] = self._unread[other] + fresh if other in self._unread else fresh
-        kept = self._unread.pop(reader, None)
-        return fresh if kept is None else kept + fresh
+    def take_recent(self) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """The unweighted (stalled, counted, underflow) sums of every slot since the last call, (rows, 3) on the host
+        in row order, and, with ``per_step``, each measured step's, in order: (the rows it measured, their (rows, 3)
+        sums). One host read per device, none where ``per_step`` saw no measured step since; the sums restart."""
+        slots = self.steps if self.per_step else 1
+        fresh = np.zeros((slots, len(self.measured), RECENT_COLUMNS), dtype=np.int64)
+        if slots:
+            for device, recent in self.recent.items():
+                fresh[:, self._device_rows[device]] = recent[:slots].cpu().numpy()
+                recent.zero_()
+        self.steps = 0
+        steps = [(np.flatnonzero(step[:, 3]), step[step[:, 3] > 0, :3]) for step in fresh] if self.per_step else []
+        return fresh[:, :, :3].sum(axis=0), steps
 
     def tensors(self) -> list[Tensor]:
         """The device tensors kept between steps."""
         return [*self.totals.values(), *self.recent.values()]
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
-        """Every slot's sums by key (one host read per device), with those of slots not held now."""
+        """Every slot's sums by key (one host read per device), with those of slots not held now; with ``per_step``,
+        its measured steps not taken yet too (a resumed run delivers them where the uninterrupted one would)."""
         host = {device: totals.cpu() for device, totals in self.totals.items()}
-        held = {key: {"totals": host[self._where[key]][self.local_row[key]].clone(),
-                      "measured": float(self.measured[row])} for row, key in enumerate(self.rows.keys)}
+        pending = {device: recent[:self.steps].cpu() for device, recent in self.recent.items()} \
+            if self.per_step and self.steps else {}
+        held = {}
+        for row, key in enumerate(self.rows.keys):
+            where, local = self._where[key], self.local_row[key]
+            held[key] = {"totals": host[where][local].clone(), "measured": float(self.measured[row])}
+            if where in pending:
+                held[key]["recent"] = pending[where][:, local].tolist()
         return self.rows.state_dict(held)
 
     def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
         """Hold no slot and keep ``state``'s sums, each slot's applied when it appears."""
         self.rows.restart(state)
+        self.steps = 0
         self.rebuild({})
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_stale.adapters.sampling import Sample
 from lightning_stale.measure.rows import KeyedRows
 from lightning_stale.measure.units import Entry, TrackedParam, driver_group
+from lightning_stale.transfers import to_device
 
 DRIFT_PARAMS = 4  # parameters with a drift shadow in sample mode
 DRIFT_SAMPLE = 128  # shadowed elements per slot
@@ -71,7 +72,7 @@ class DriftPanel:
             samples = [u.sample.prefix(DRIFT_SAMPLE) for u in members]
             lengths = [s.numel for s in samples]
             shadow = Shadow(members, samples, [m == "v" for m, _ in layout],
-                            torch.tensor([[1.0 - b] for _, b in layout], dtype=torch.float32, device=device),
+                            to_device(torch.tensor([[1.0 - b] for _, b in layout], dtype=torch.float32), device),
                             torch.zeros(len(layout), sum(lengths), dtype=torch.float32, device=device),
                             [int(x) for x in np.cumsum([0] + lengths[:-1])])
             shadows.append(shadow)
@@ -106,20 +107,29 @@ class DriftPanel:
 
     def readings(self, entries: dict[str, Entry]) -> dict[str, float]:
         """Drift of each shadowed slot (median stored/shadow for v, relative L2 error for m), by slot key; slots
-        without a finite reading yet are left out (one host read per slot)."""
-        out = {}
+        without a finite reading yet are left out. Computed on the slots' devices and read back at once (one host
+        read per device)."""
+        keys, values = [], []
         for key, (shadow, row, i) in self._of.items():
             entry = entries[key]
             stored, reference = entry.slot.value_at(self._positions(entry)).float(), shadow.part(row, i)
-            if entry.moment == "v":
+            if entry.moment == "v":  # the median of the ratios where the shadow is positive (nan if one is nan)
                 ok = reference > 0
-                value = float((stored[ok] / reference[ok]).median()) if bool(ok.any()) else math.nan
+                ratio = torch.where(ok, stored / torch.where(ok, reference, 1.0), math.nan)
+                value = ratio.nanmedian() if ratio.numel() else ratio.new_tensor(math.nan)
+                value = torch.where(ok.logical_and(ratio.isnan()).any(), math.nan, value)
             else:
-                norm = float(reference.norm())
-                value = float((stored - reference).norm()) / norm if norm > 0 else math.nan
-            if math.isfinite(value):
-                out[key] = value
-        return out
+                norm = reference.norm()
+                value = torch.where(norm > 0, (stored - reference).norm() / norm, math.nan)
+            keys.append(key)
+            values.append(value)
+        out = {}
+        for device in dict.fromkeys(v.device for v in values):
+            chosen = [j for j, v in enumerate(values) if v.device == device]
+            for j, value in zip(chosen, torch.stack([values[j] for j in chosen]).double().cpu().tolist()):
+                if math.isfinite(value):
+                    out[keys[j]] = value
+        return {key: out[key] for key in keys if key in out}
 
     def weight(self, key: str) -> int:
         """Shadowed elements of a slot (the weight of its drift in aggregates)."""

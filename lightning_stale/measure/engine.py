@@ -21,7 +21,7 @@ gradient views of the cohort.
 Host synchronisation happens only when batch plans are built (the first measurement of each cohort after the
 optimizer state changes: zero codes of 8-bit maps are looked up once) and in the readouts (:meth:`StallEngine.window`,
 :meth:`StallEngine.take_recent`, :meth:`StallEngine.drift`, :meth:`StallEngine.signals`,
-:meth:`StallEngine.nonfinite`); never in the step hooks otherwise.
+:meth:`StallEngine.nonfinite`), which the monitor calls on logging and check steps; never in the step hooks otherwise.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import Tensor
 from lightning_stale._compat import local_tensor
 from lightning_stale.adapters.protocol import OptimizerAdapter
 from lightning_stale.adapters.sampling import choose_sample
-from lightning_stale.measure.counting import Batch, Counts, plan_batches
+from lightning_stale.measure.counting import Batch, Counts, place_batches, plan_batches
 from lightning_stale.measure.drift import DriftPanel
 from lightning_stale.measure.finite import nonfinite
 from lightning_stale.measure.units import Entry, TrackedParam, driver_group, driver_slot, weight_slot
@@ -56,11 +56,12 @@ class StallEngine:
         coverage_steps: in sample mode, cohorts grow beyond ``params_per_step`` so that every parameter is measured
             at least once in this many measured steps (the front-ends pass their logging interval).
         seed: seed of the sample offsets.
-        recent_readers: names of the consumers of :meth:`take_recent` (each reads the counts since its own last read).
+        recent: keep the counts since the last :meth:`take_recent` (check steps read them).
+        per_step: keep them measured step by measured step (a policy that observes each one).
     """
 
     def __init__(self, adapter: OptimizerAdapter, prefix: str, exact: bool, sample_size: int, params_per_step: int,
-                 coverage_steps: int, seed: int, recent_readers: tuple[str, ...] = ()) -> None:
+                 coverage_steps: int, seed: int, recent: bool = False, per_step: bool = False) -> None:
         self.adapter = adapter
         self.prefix = prefix
         self.exact = exact
@@ -74,7 +75,7 @@ class StallEngine:
         self.cursor = 0  # measured steps so far: picks the cohort
         self.cohorts: list[list[TrackedParam]] = []
         self.measured_cohort: list[TrackedParam] = []  # the parameters of the last measured step, empty shards included
-        self.counts = Counts(recent_readers)
+        self.counts = Counts(recent, per_step)
         self.panel = DriftPanel(exact)
         self._batches: dict[int, list[Batch]] = {}
         self._prev: list[Tensor] | None = None
@@ -149,9 +150,12 @@ class StallEngine:
         self._prev = None
 
     def _plan(self, cohort: int) -> list[Batch]:
-        """The batches of one cohort (built on first use, then reused until the slots change)."""
-        if cohort not in self._batches:
-            self._batches[cohort] = plan_batches(self.cohorts[cohort], self.sample_size, self.counts.local_row)
+        """The batches of one cohort: every cohort's built at the first use after the slots changed (their tables go
+        to the devices in one copy per device), then reused until the slots change again."""
+        if not self._batches:
+            plans = [plan_batches(units, self.sample_size, self.counts.local_row) for units in self.cohorts]
+            place_batches([batch for plan in plans for batch in plan])
+            self._batches = dict(enumerate(plans))
         return self._batches[cohort]
 
     # -- the step ----------------------------------------------------------------------------------------------------
@@ -180,6 +184,7 @@ class StallEngine:
         self.measured_cohort = self.cohorts[self._prev_cohort]
         for batch, prev in zip(measured, self._prev):
             self.counts.count(batch, prev, self._placeholders)
+        self.counts.end_step()
         self._prev = None
         self.cursor += 1
         return measured
@@ -206,10 +211,11 @@ class StallEngine:
         """Per tracked parameter, whether its sampled weights hold NaN/Inf now (bool, host; one read per device)."""
         return nonfinite(self.tracked)
 
-    def take_recent(self, reader: str) -> np.ndarray:
-        """Sampled (stalled, counted, underflow) counts of every slot since ``reader``'s previous call, (rows, 3) on
-        the host in row order, unweighted (one host synchronisation)."""
-        return self.counts.take_recent(reader)
+    def take_recent(self) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+        """Sampled (stalled, counted, underflow) counts of every slot since the previous call, (rows, 3) on the host
+        in row order, unweighted, and with ``per_step`` each measured step's (its rows, their counts); one host read
+        per device (:meth:`Counts.take_recent`)."""
+        return self.counts.take_recent()
 
     def drift(self) -> dict[str, float]:
         """Drift of each shadowed slot (median stored/shadow for v, relative L2 error for m), by slot key."""

@@ -20,15 +20,12 @@ from lightning_stale.decide import weight_theory
 from lightning_stale.decide.forecast import StallForecast, to_host
 from lightning_stale.decide.ledger import Ledger, LedgerRow, without_periods
 from lightning_stale.decide.lr_outlook import LrOutlook, lr_path
-from lightning_stale.measure.counting import Batch
 from lightning_stale.measure.engine import StallEngine
 from lightning_stale.messages import ParamNames, info
 from lightning_stale.monitor.announcement import fit_start_report, period_report, weight_report
 from lightning_stale.monitor.options import MonitorOptions
 from lightning_stale.ranks import Reduce, summed
 from lightning_stale.vocab import WEIGHT
-
-RECENT_FOR_POLICY, RECENT_FOR_CHECKS = "policy", "checks"  # the readers of the engine's recent counts
 
 
 class OptimizerPipeline:
@@ -53,11 +50,10 @@ class OptimizerPipeline:
         self.adapter, self.options, self.reduce, self._names = adapter, options, reduce, names
         self.policy, self.remedy, self.check_every = options.policy, options.remedy_rule, coverage_steps
         acts = self.remedy is not None or self.policy is not None  # check steps read underflow (they may reset)
-        readers = ((RECENT_FOR_CHECKS,) if acts else ()) + \
-            ((RECENT_FOR_POLICY,) if self.policy is not None and self.policy.needs_measurement else ())
+        observes = self.policy is not None and self.policy.needs_measurement  # at check steps, step by step
         self.engine = StallEngine(adapter, f"opt{index}", options.track == "exact", options.sample_size,
                                   options.params_per_step, max(1, coverage_steps // options.track_every), options.seed,
-                                  readers)
+                                  acts, observes)
         self.ledger = Ledger()
         self.forecast = StallForecast(reduce, warn, self.name)
         self.interventions = Interventions(adapter, self.engine, self.ledger, underflow_guard=options.underflow_guard,
@@ -74,6 +70,7 @@ class OptimizerPipeline:
         self.adopted = -1  # the engine version whose units the ledger holds
         self.announced = False
         self.judge_due = self.weights_due = False  # what the remedy judges at the next step hook
+        self.unestimated = False  # parameters adopted since the last step's end may wait for a first estimate
         # (lr scheduler, last step, optimizer steps per scheduler step) that the fit-start weight report follows
         self.schedule: tuple[Any, int, int] | None = None
         self.outlook: LrOutlook | None = None  # its lrs ahead, read at the fit-start report
@@ -107,29 +104,32 @@ class OptimizerPipeline:
         measured = self.engine.after_step()
         self.adopt(after_step=True)
         self.interventions.guard()
-        waiting = [u.position for u in self.engine.measured_cohort
-                   if self.forecast.waiting(self.ledger.rows[u.position])]
-        if waiting:  # a first estimate at the first measurement (one host read): predictions from the first window on
-            self.estimate(waiting)
+        if self.unestimated:  # a first estimate of the parameters adopted since, on the state this step wrote (one
+            self.unestimated = False  # host read per device): predictions from the first window on
+            waiting = [u.position for u in self.ledger.rows if self.forecast.waiting(u)]
+            if waiting:
+                self.estimate(waiting)
         if measured:
             self.forecast.record(measured, self.ledger)
         self.ledger.advance()
         if self.steps % self.check_every == 0:
             self.check()
         if self.policy is not None:
-            self.decide(measured)
+            self.decide()
 
     def check(self) -> None:
         """A check step (every ``coverage_steps``): the grid estimates due; where something may reset or guard, the
         drift of every driver group and each parameter's v underflow since the last check, agreed across ranks (one
-        host read, one collective), into the ledger; reset parameters whose v still underflows stay guarded; then
-        the remedy acts."""
+        host read per device, one collective), into the ledger, and the stall fractions measured since to a policy
+        that observes them; reset parameters whose v still underflows stay guarded; then the remedy acts."""
         due = self.forecast.due(self.steps // self.check_every)
         if due:
             self.estimate(due)
         if self.remedy is None and self.policy is None:
             return
-        recent = self.engine.take_recent(RECENT_FOR_CHECKS)
+        recent, steps = self.engine.take_recent()
+        if steps:
+            self.observe(steps)
         self.ledger.set_signals(*self.engine.agreed_signals(summed(self.engine.signals(recent), self.reduce)))
         self.interventions.keep_guarding(self.check_every)
         if self.remedy is not None:
@@ -137,15 +137,19 @@ class OptimizerPipeline:
         if self.auto_weights:
             self.take_over_measured()
 
-    def decide(self, measured: list[Batch]) -> None:
-        """The policy: it observes the measured stall fractions (when it asks), then what is due is reset."""
-        if self.policy.needs_measurement and measured:
-            recent = self.engine.take_recent(RECENT_FOR_POLICY)  # one host read per measured step
-            for entry in (e for batch in measured for e in batch.entries):
+    def observe(self, steps: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Give the policy the stall fraction of each parameter's driver slot at each measured step since the last
+        check step, in order (``steps``: each step's measured rows and their (stalled, counted, underflow) counts)."""
+        entries = list(self.engine.entries.values())  # in row order
+        for rows, counts in steps:
+            for row, (stalled, counted, _) in zip(rows.tolist(), counts.tolist()):
+                entry = entries[row]
                 unit = self.ledger.rows[entry.unit.position]
                 if unit.driver() is entry.slot:
-                    stalled, counted, _ = recent[entry.row]
                     self.policy.observe(unit, stalled / counted if counted > 0 else math.nan)
+
+    def decide(self) -> None:
+        """The policy: what is due is reset (its observations come in at check steps: no host read here)."""
         due = self.policy.due(self.ledger, self.steps)
         if self.policy.needs_sync and self.reduce is not None:
             due = summed(due.astype(np.float64), self.reduce) > 0
@@ -161,8 +165,8 @@ class OptimizerPipeline:
         schedule to follow after attaching, and a resumed state exists from then on.
 
         A parameter whose state existed before monitoring began (a checkpoint saved without the monitor) is as old as
-        its optimizer step counter says; inside the post-step hook that counter already includes this step, which
-        the ledger adds next."""
+        its optimizer step counter says (one host read per device where the counters live there); one whose state
+        the step that just ran created starts at 0, and the ledger adds this step next."""
         if self.adopted != self.engine.version:
             self.align(after_step)
         if stepping and self.judge_due:
@@ -175,10 +179,12 @@ class OptimizerPipeline:
     def align(self, after_step: bool) -> None:
         """:meth:`adopt`'s alignment of the ledger and the forecast with the engine's units."""
         self.adopted = self.engine.version
-        new = self.ledger.sync(self.engine.tracked, lambda unit: max(0, (self.adapter.steps_taken(unit.param) or 0)
-                                                                     - after_step))
+        # inside the post-step hook the new parameters are the ones whose state this step created: age 0, unread
+        new = self.ledger.sync(self.engine.tracked, None if after_step else lambda units: [
+            steps or 0 for steps in self.adapter.steps_taken([u.param for u in units])])
         self.forecast.align(self.engine.entries)
         self.forecast.adopt(self.ledger)
+        self.unestimated = True
         self.configure([u for u in self.ledger.rows if u.period_source == "" and not self.forecast.waiting(u)])
         self.judge_due = True
         if new and not self.announced:
@@ -324,10 +330,10 @@ class OptimizerPipeline:
             if "m" not in by_moment or "v" not in by_moment or "betas" not in group or "eps" not in group:
                 continue
             stochastic = self.writeback is not None and self.writeback.takes_over(unit.param)
+            counter = self.adapter.step_counter(unit.param)
             try:
                 sums.append(weight_theory.predicted_stall(
-                    entry.slot, by_moment["m"], by_moment["v"], unit.sample, group,
-                    self.adapter.steps_taken(unit.param) or 1,
+                    entry.slot, by_moment["m"], by_moment["v"], unit.sample, group, 1 if counter is None else counter,
                     group.get("decoupled_weight_decay", decoupled), stochastic))
                 rows.append(entry.row)
             except Exception as error:  # a layout without sampled reads: no prediction for it

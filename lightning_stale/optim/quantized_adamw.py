@@ -31,11 +31,13 @@ from lightning_stale.formats import (
     check_rounding,
     get_format,
 )
-from lightning_stale.formats.noise import counter_bits
+from lightning_stale.formats.noise import as_int32, counter_bits, counter_mix, keyed_hash
+from lightning_stale.transfers import to_device
 from lightning_stale.vocab import MOMENTS, Moment, check_choice, check_moments
 
 _KEYS = {"m": ("exp_avg", "exp_avg_scale", "step_m"), "v": ("exp_avg_sq", "exp_avg_sq_scale", "step_v")}
 _GENERATOR_KEY = "generator_state"
+_SECOND_KEY = 0x6B657973  # the second hash stream of a parameter's position (its noise key, beside its start)
 
 
 def _format_names(state_format: object) -> dict[str, str]:
@@ -103,6 +105,11 @@ class QuantizedAdamW(torch.optim.Optimizer):
         self._generator = torch.Generator()
         self._generator.manual_seed(int(seed))
         self._stall_counts: dict[int, dict[str, tuple[Tensor, Tensor]]] = {}
+        self._step_key: tuple[int, int] | None = None  # the noise key pair of the step in progress
+        self._in_step = False
+        self._position_of: dict[int, int] | None = None  # id(param) -> its position among the optimizer's
+        self._base_tables: dict[torch.device, Tensor] = {}  # per device: :meth:`_bases`
+        self._eager_on: set[str] = set()  # device types where the compiled step failed: eager from then on
         super().__init__(params, defaults)
 
     # ----------------------------------------------------------------------------------------------------------------
@@ -159,17 +166,20 @@ class QuantizedAdamW(torch.optim.Optimizer):
         return _stored(self._state_for(param, self._group_of(param)), param, moment)
 
     def _state_for(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        """The param's state, created fresh (both moments empty, ages 0) on first use."""
+        """The param's state, created fresh (both moments empty, ages 0) on first use, on the param's device (the
+        ages too, as torch's fused and capturable optimizers keep ``step``: the bias corrections are computed there,
+        and nothing is read back)."""
         state = self.state[param]
         if not state:
             for moment in MOMENTS:
                 codes_key, scale_key, age_key = _KEYS[moment]
-                fresh = self._format_in_group(group, param, moment).empty(param.shape)
-                state[codes_key] = fresh.codes.to(param.device)
+                state_format = self._format_in_group(group, param, moment)  # built (once) on the host
+                with torch.device(param.device):  # the format's factories make the state there: nothing to upload
+                    fresh = state_format.empty(param.shape)
+                state[codes_key] = fresh.codes
                 if fresh.scale is not None:
-                    state[scale_key] = fresh.scale.to(param.device)
-                # On the host, like torch.optim's non-capturable ``step``: the bias corrections read it without a sync.
-                state[age_key] = torch.zeros((), dtype=torch.float32)
+                    state[scale_key] = fresh.scale
+                state[age_key] = torch.zeros((), dtype=torch.float32, device=param.device)
         return state
 
     def last_stall_counts(self) -> dict[int, dict[str, tuple[Tensor, Tensor]]]:
@@ -192,7 +202,9 @@ class QuantizedAdamW(torch.optim.Optimizer):
                 state = self.state[param]
                 for moment in moments:
                     codes_key, scale_key, age_key = _KEYS[moment]
-                    fresh = self._format_in_group(group, param, moment).empty(param.shape)
+                    state_format = self._format_in_group(group, param, moment)
+                    with torch.device(state[codes_key].device):  # made where it is copied to: no upload
+                        fresh = state_format.empty(param.shape)
                     state[codes_key].copy_(fresh.codes)
                     if fresh.scale is not None:
                         state[scale_key].copy_(fresh.scale)
@@ -205,16 +217,23 @@ class QuantizedAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         self._stall_counts = {}  # before the closure: a step written inside it (the weight write-back) counts too
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise RuntimeError("QuantizedAdamW does not support sparse gradients")
-                self.step_parameter(param, group)
+        self._step_key = None  # this step's noise key, drawn at its first use (inside the closure or below)
+        self._in_step = True
+        try:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            work = []
+            for group in self.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    if param.grad.is_sparse:
+                        raise RuntimeError("QuantizedAdamW does not support sparse gradients")
+                    work.append((param, group))
+            self.step_parameters(work)
+        finally:
+            self._in_step = False
         return loss
 
     @torch.no_grad()
@@ -222,35 +241,110 @@ class QuantizedAdamW(torch.optim.Optimizer):
         """One parameter's step, as :meth:`step` takes it (its gradient must exist). With ``weight`` (fp32, shaped like
         ``param``), the update is applied to ``weight`` in place instead of to the parameter: the caller writes the
         parameter (the weight write-back's rounding)."""
-        state = self._state_for(param, group)
-        beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        state["step_m"] += 1
-        state["step_v"] += 1
-        bias_correction1 = 1 - beta1 ** state["step_m"].item()
-        bias_correction2 = 1 - beta2 ** state["step_v"].item()
-        hyper = torch.tensor(  # a tensor, so the compiled step is not specialized to these values
-            [1 - beta1, beta2, 1 - beta2, 1 - lr * weight_decay, math.sqrt(bias_correction2), eps,
-             -lr / bias_correction1],
-            device=param.device,
-        )
-        keys = None
-        if group["rounding"] == "stochastic":  # two 32-bit hash keys per step from the optimizer's own generator
-            keys = torch.randint(0, 1 << 32, (2,), generator=self._generator, dtype=torch.int64).to(param.device)
+        self.step_parameters([(param, group)], [weight])
+
+    @torch.no_grad()
+    def step_parameters(self, work: Sequence[tuple[Tensor, dict[str, Any]]],
+                        weights: Sequence[Tensor | None] | None = None) -> None:
+        """The step of each (parameter, its group) of ``work`` (:meth:`step_parameter`, ``weights`` aligned with them):
+        their ages advanced and their per-step numbers (bias corrections, hyper-parameters, stochastic-rounding
+        keys) computed together on their devices, with nothing read back or uploaded, then each one's update."""
+        if not work:
+            return
+        states = [self._state_for(param, group) for param, group in work]
+        torch._foreach_add_([s[key] for s in states for key in ("step_m", "step_v")], 1)
+        hyper = self._hyper(work, states)
+        keys = self._keys(work)
+        for i, ((param, group), state) in enumerate(zip(work, states)):
+            self._update_one(param, group, state, hyper[i], None if keys is None else keys[i],
+                             None if weights is None else weights[i])
+
+    def _hyper(self, work: Sequence[tuple[Tensor, dict[str, Any]]], states: list[dict[str, Any]]) -> list[Tensor]:
+        """Each parameter's :func:`_update` scalars (fp32, on its device): per group and device, a dozen tensor ops on
+        the ages (fp64), with the group's hyper-parameters as Python numbers."""
+        sets: dict[tuple[int, torch.device], list[int]] = {}
+        for i, (param, group) in enumerate(work):
+            sets.setdefault((id(group), param.device), []).append(i)
+        rows: list[Tensor] = [None] * len(work)  # type: ignore[list-item]
+        for chosen in sets.values():
+            group = work[chosen[0]][1]
+            (beta1, beta2), lr, eps, weight_decay = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+            ages = torch.stack([torch.stack([states[i]["step_m"], states[i]["step_v"]]) for i in chosen]).double()
+            corrections = 1.0 - torch.stack([beta1 ** ages[:, 0], beta2 ** ages[:, 1]], dim=1)  # 1 - beta^age
+            ones = torch.ones_like(corrections[:, 0])
+            table = torch.stack([ones * (1 - beta1), ones * beta2, ones * (1 - beta2), ones * (1 - lr * weight_decay),
+                                 corrections[:, 1].sqrt(), ones * eps, -lr / corrections[:, 0]], dim=1).float()
+            for j, i in enumerate(chosen):
+                rows[i] = table[j]
+        return rows
+
+    def _keys(self, work: Sequence[tuple[Tensor, dict[str, Any]]]) -> list[Tensor | None] | None:
+        """Each stochastically rounded parameter's two 32-bit hash keys of this step (int32, on its device), None for
+        the others; None when none rounds stochastically. One key pair per step comes from the optimizer's own
+        generator (on the host: nothing is read back); each parameter's are its hashes under them of its position
+        among the optimizer's parameters (a table made on each device once)."""
+        if not any(group["rounding"] == "stochastic" for _, group in work):
+            return None
+        if not self._in_step or self._step_key is None:
+            drawn = torch.randint(0, 1 << 32, (2,), generator=self._generator, dtype=torch.int64).tolist()
+            self._step_key = tuple(as_int32(k) for k in drawn)
+        start, key = self._step_key
+        position = self._positions(work)
+        keys: list[Tensor | None] = []
+        tables: dict[torch.device, Tensor] = {}
+        for param, group in work:
+            if group["rounding"] != "stochastic":
+                keys.append(None)
+                continue
+            if param.device not in tables:
+                base = self._bases(param.device)
+                tables[param.device] = torch.stack([keyed_hash(base[:, 0], start), keyed_hash(base[:, 1], key)], 1)
+            keys.append(tables[param.device][position[id(param)]])
+        return keys
+
+    def _positions(self, work: Sequence[tuple[Tensor, dict[str, Any]]]) -> dict[int, int]:
+        """Each parameter's position among the optimizer's (the noise keys' counter), made again when a parameter of
+        ``work`` is not in it (a param group added)."""
+        if self._position_of is None or any(id(param) not in self._position_of for param, _ in work):
+            params = [p for group in self.param_groups for p in group["params"]]
+            self._position_of, self._base_tables = {id(p): i for i, p in enumerate(params)}, {}
+        return self._position_of
+
+    def _bases(self, device: torch.device) -> Tensor:
+        """The key-independent round of the hash of every parameter's position and of its second stream, (n, 2)
+        int32 on ``device`` (made once per device: one pinned upload)."""
+        if device not in self._base_tables:
+            positions = torch.arange(len(self._position_of), dtype=torch.int32)
+            base = torch.stack([counter_mix(positions), counter_mix(positions ^ _SECOND_KEY)], dim=1)
+            self._base_tables[device] = to_device(base, device)
+        return self._base_tables[device]
+
+    def _update_one(self, param: Tensor, group: dict[str, Any], state: dict[str, Any], hyper: Tensor,
+                    keys: Tensor | None, weight: Tensor | None) -> None:
+        """One parameter's update (:func:`_update`, compiled where :meth:`_compiles` says so and the compile works) and
+        the copy of its new moments into its state."""
         m_codes, m_scale, _ = (state.get(key) for key in _KEYS["m"])
         v_codes, v_scale, _ = (state.get(key) for key in _KEYS["v"])
         formats = (self._format_in_group(group, param, "m"), self._format_in_group(group, param, "v"))
+        result = None
         if self._compiles(param, formats, group["rounding"]):
             # Flat views of the same storage: one symbolic size per compiled step, whatever the parameter's shape.
-            # detach(): dynamo specializes the shapes of parameters, not of plain tensors.
+            # detach(): dynamo specializes the shapes of parameters, not of plain tensors; the scalars are a copy of
+            # their table's row (not a view with an offset).
             flat = [t if t is None or t.dim() == 1 else t.view(-1) for t in (m_codes, v_codes)]
-            new_m, new_v, counts = _compiled_update()(
-                param.detach().view(-1), param.grad.view(-1), flat[0], m_scale, flat[1], v_scale, hyper, keys,
-                *formats, self.count_stalls, None if weight is None else weight.view(-1))
-        else:
-            new_m, new_v, counts = _update(
-                param, param.grad, m_codes, m_scale, v_codes, v_scale, hyper, keys, *formats, self.count_stalls,
-                weight)
+            try:
+                result = _compiled_update()(
+                    param.detach().view(-1), param.grad.view(-1), flat[0], m_scale, flat[1], v_scale, hyper.clone(),
+                    None if keys is None else keys.clone(), *formats, self.count_stalls,
+                    None if weight is None else weight.view(-1))
+            except Exception as error:  # noqa: BLE001 - no working compiler for this device: the eager step
+                self._eager_on.add(param.device.type)
+                _compat.log.info("[lightning_stale] QuantizedAdamW: the compiled step is unavailable on %s (%s: %s); "
+                                 "using eager ops", param.device.type, type(error).__name__, error)
+        if result is None:
+            result = _update(param, param.grad, m_codes, m_scale, v_codes, v_scale, hyper, keys, *formats,
+                             self.count_stalls, weight)
+        new_m, new_v, counts = result
         for codes, scale, new in ((m_codes, m_scale, new_m), (v_codes, v_scale, new_v)):
             codes.copy_(new.codes.view(codes.shape))
             if scale is not None:
@@ -261,7 +355,7 @@ class QuantizedAdamW(torch.optim.Optimizer):
 
     def _compiles(self, param: Tensor, formats: tuple[StateFormat, StateFormat], rounding: str) -> bool:
         """Whether ``param``'s step, with its (m, v) ``formats`` and ``rounding``, runs compiled (see ``compile``)."""
-        if not (param.is_contiguous() and param.grad.is_contiguous()):
+        if not (param.is_contiguous() and param.grad.is_contiguous()) or param.device.type in self._eager_on:
             return False
         if self.compile is None:
             # Table-rounded formats stay eager on CPU with nearest rounding: the eager step (index_select) measured

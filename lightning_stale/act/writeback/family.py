@@ -22,6 +22,7 @@ from torch import Tensor
 from lightning_stale import _compat
 from lightning_stale.act.writeback.kernels import noise_base
 from lightning_stale.formats.noise import as_int32
+from lightning_stale.transfers import to_device
 
 
 @dataclass(eq=False)
@@ -49,11 +50,13 @@ class Member:
 @dataclass(eq=False)
 class Write:
     """How this step writes: the weights' rounding, the moments' rounding (families that store moments in the
-    parameter's dtype) and the step's noise key (:func:`.kernels.step_key`)."""
+    parameter's dtype), the step's noise key (:func:`.kernels.step_key`) and the bucket's table of this step
+    (:meth:`Family.scalars`, on the bucket's device; None where the family has none)."""
 
     weights: str
     moments: str
     key: int
+    scalars: Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -73,10 +76,10 @@ class Columns:
         return flat_alias(tensor) if self.flat else tensor
 
     def subset(self, take: Sequence[int]) -> Columns:
-        index = {t.device: torch.tensor(list(take), dtype=torch.long, device=t.device) for t in self.tensors.values()}
+        """The columns of the members at ``take``: their rows stacked from views (no index tensor to upload)."""
         return Columns({name: [values[i] for i in take] for name, values in self.lists.items()},
-                       {name: t[index[t.device]] for name, t in self.tensors.items()}, self.flat, self.compiled,
-                       self.sharded)
+                       {name: torch.stack([t[i] for i in take]) for name, t in self.tensors.items()}, self.flat,
+                       self.compiled, self.sharded)
 
 
 def flat_alias(tensor: Tensor) -> Tensor:
@@ -91,16 +94,16 @@ def member_columns(members: list[Member]) -> Columns:
     """The columns every family's bucket has: the weights ``w`` and compensation buffers ``c`` (None where there is
     none) as the passes take them, the members' ``noise`` table (:func:`.kernels.noise_base` of their indices and
     shard starts, on their device), and each one's param ``group`` (int64 on the host: it picks rows of the host
-    table of the groups' hyper-parameters, which then go to the device in one copy)."""
+    table of the groups' hyper-parameters, which go to the device with every bucket's in one copy per step)."""
     device = members[0].local.device
     contiguous = all(m.local.is_contiguous() for m in members)
     compiled = contiguous and _compat.compiles(sum(m.local.numel() for m in members), device)
     columns = Columns(flat=contiguous, compiled=compiled, sharded=any(_compat.is_dtensor(m.param) for m in members))
     columns.lists["w"] = [columns.view(m.local) for m in members]
     columns.lists["c"] = [None if m.buffer is None else columns.view(m.buffer) for m in members]
-    columns.tensors["noise"] = noise_base(torch.tensor([m.index for m in members], dtype=torch.int32, device=device),
-                                          torch.tensor([as_int32(m.start) for m in members], dtype=torch.int32,
-                                                       device=device))
+    columns.tensors["noise"] = to_device(noise_base(torch.tensor([m.index for m in members], dtype=torch.int32),
+                                                    torch.tensor([as_int32(m.start) for m in members],
+                                                                 dtype=torch.int32)), device)
     columns.tensors["group"] = torch.tensor([m.position[0] for m in members], dtype=torch.long)
     return columns
 
@@ -136,11 +139,20 @@ class Family(ABC):
         """The per-member data of one bucket that stays until the taken-over set changes (state tensors' flat views,
         step counters, group indices)."""
 
+    def scalars(self, members: list[Member], columns: Columns) -> Tensor | None:
+        """This step's table of ``members`` (those of a bucket with a gradient this step), called before any bucket
+        is updated: the optimizer's step counters advanced and, where it needs them, its per-member numbers of this
+        step (hyper-parameters, bias corrections) on the host, or on the device where the counters live there. The
+        write-back copies the host tables of every bucket of a device there in one pinned, non-blocking upload per
+        step and hands each bucket its own as ``write.scalars``. None (the default): no table."""
+        return None
+
     @abstractmethod
     def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:
         """The whole step of ``members`` (those of a bucket with a gradient this step; ``columns`` and ``grads``
         aligned with them, gradients this process's flat elements): moments, weights and compensation buffers in
-        place, and the optimizer's step counters advanced. The optimizer's own step then skips them."""
+        place, and the optimizer's step counters advanced (where :meth:`scalars` did not). The optimizer's own step
+        then skips them."""
 
 
 _REGISTRY: dict[type, type[Family]] = {}

@@ -115,18 +115,6 @@ def weight_target(param: Tensor, buffer: Tensor | None) -> Tensor:
     return param.float() if buffer is None else param.float() + buffer.float()
 
 
-def to_device(host: Tensor, device: torch.device) -> Tensor:
-    """The host tensor ``host`` on ``device`` without waiting for it: a plain host-to-device copy blocks the host until
-    the device's queue has drained, one from pinned memory does not (the caching host allocator keeps the pinned block
-    until the copy is done)."""
-    if device.type == "cpu":
-        return host
-    try:
-        return host.pin_memory().to(device, non_blocking=True)
-    except RuntimeError:  # no pinned memory for this device's backend: the blocking copy
-        return host.to(device)
-
-
 def _loop(columns: Sequence[Sequence[Any]], rows: Sequence[Tensor], flags: tuple[Any, ...]) -> None:
     """``one`` over the tensors at each position of ``columns`` with the same rows of the per-tensor ``rows`` tables
     (the template of every :class:`MultiTensor`'s compiled function; ``one`` is its global)."""

@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from lightning_stale import _compat
-from lightning_stale.act.writeback.kernels import SECOND_STREAM, to_device
+from lightning_stale.act.writeback.kernels import SECOND_STREAM
+from lightning_stale.transfers import to_device
 
 BLOCK = 1024  # elements per step of a program's loop: 8 per thread at 4 warps (16-byte accesses of bf16)
 CHUNK = 16 * BLOCK  # elements per program (multi_tensor_apply's chunks): the grid is the bucket's count of chunks

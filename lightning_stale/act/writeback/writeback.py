@@ -32,6 +32,7 @@ from lightning_stale.act.writeback.family import (
 from lightning_stale.act.writeback.kernels import step_key
 from lightning_stale.adapters import inner_optimizer
 from lightning_stale.messages import info
+from lightning_stale.transfers import to_devices
 from lightning_stale.vocab import COMPENSATION_KEY, ROUNDINGS, WEIGHT_ROUNDINGS, check_choice
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -219,10 +220,11 @@ class WeightWriteBack:
 
     @torch.no_grad()
     def _write(self) -> None:
-        """The step of every member with a dense gradient, bucket by bucket; their gradients are then hidden from the
-        optimizer's own update."""
-        write = Write(self.rounding, self.moments, step_key(self.seed, self.count))
-        wrote = False
+        """The step of every member with a dense gradient, bucket by bucket, after every bucket's table of this step
+        went to its device (one upload per device); their gradients are then hidden from the optimizer's own
+        update."""
+        key = step_key(self.seed, self.count)
+        work = []
         for bucket in self._plan():
             grads = [p.grad for p in bucket.params]
             if all(g is not None and not g.is_sparse for g in grads):
@@ -233,13 +235,16 @@ class WeightWriteBack:
                     continue
                 members, columns = [bucket.members[i] for i in take], bucket.columns.subset(take)
                 params, grads = [bucket.params[i] for i in take], [grads[i] for i in take]
+            work.append((members, columns, params, grads, self.family.scalars(members, columns)))
+        tables = to_devices([w[4] for w in work], [w[0][0].local.device for w in work])
+        for (members, columns, params, grads, _), table in zip(work, tables):
             local = [local_tensor(g) for g in grads] if columns.sharded else grads
-            self.family.update(members, columns, [flat_alias(g) for g in local] if columns.flat else local, write)
+            self.family.update(members, columns, [flat_alias(g) for g in local] if columns.flat else local,
+                               Write(self.rounding, self.moments, key, table))
             for param in params:
                 param.grad = None
             self._hidden.extend(zip(params, grads))
-            wrote = True
-        self.count += wrote
+        self.count += bool(work)
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Give the gradients back; notice parameters whose state the optimizer's step just created (their buffers

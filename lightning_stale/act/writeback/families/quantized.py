@@ -1,6 +1,6 @@
 """lightning_stale's :class:`~lightning_stale.optim.QuantizedAdamW`: moments in any registered state format.
 
-Its own per-parameter step (:meth:`QuantizedAdamW.step_parameter`) updates the moments and requantizes them in their
+Its own per-parameter step (:meth:`QuantizedAdamW.step_parameters`) updates the moments and requantizes them in their
 format, rounded its way; the write-back hands it the fp32 weight to update (the stored one plus its residual) and
 writes the parameter with the chosen rounding. With nearest rounding that is its own step, bit for bit.
 """
@@ -30,9 +30,10 @@ class Quantized(Family):
     def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:
         keys = noise_keys(write.key, columns.tensors["noise"]) \
             if write.weights == "stochastic" else None
-        for i, (member, w, c) in enumerate(zip(members, columns.lists["w"], columns.lists["c"])):
-            target = weight_target(w, c)
-            self.optimizer.step_parameter(member.param, member.group, target.view(member.local.shape))
+        targets = [weight_target(w, c) for w, c in zip(columns.lists["w"], columns.lists["c"])]
+        self.optimizer.step_parameters([(m.param, m.group) for m in members],
+                                       [t.view(m.local.shape) for t, m in zip(targets, members)])
+        for i, (w, c, target) in enumerate(zip(columns.lists["w"], columns.lists["c"], targets)):
             write_weight(w, c, target, write.weights, None if keys is None else noise(w, keys[i]))
 
 

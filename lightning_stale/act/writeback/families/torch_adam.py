@@ -20,7 +20,6 @@ from lightning_stale.act.writeback.kernels import (
     noise,
     noise_keys,
     sqrt,
-    to_device,
     weight_target,
     write_moments,
     write_weight,
@@ -75,34 +74,47 @@ class TorchAdam(Family):
         columns.lists["step"] = [state["step"] for state in states]
         return columns
 
-    def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:
+    def scalars(self, members: list[Member], columns: Columns) -> Tensor:
+        """The step counters advanced (one multi-tensor op), then :func:`adam`'s scalars per member where they are
+        kept on the host (non-capturable torch: computed there, fp32), else each member's group row (fp64, finished
+        on the device in :meth:`update`, where the counters are)."""
         steps = columns.lists["step"]
         torch._foreach_add_(steps, 1)
-        device = columns.lists["w"][0].device
-        scalars, gradient_as_is = self._scalars(columns.tensors["group"], steps)
+        rows = self._group_rows()[columns.tensors["group"]]
+        return rows if steps[0].device == columns.lists["w"][0].device else _finish(rows, steps)
+
+    def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:
+        steps, scalars = columns.lists["step"], write.scalars
+        if scalars.dtype == torch.float64:  # the group rows: the step-dependent part on the counters' device
+            scalars = _finish(scalars, steps)
         keys = noise_keys(write.key, columns.tensors["noise"])
         ADAM([columns.lists[name] for name in ("w", "c")] + [grads] + [columns.lists[name] for name in ("m", "v")],
-             [to_device(scalars, device), keys], (write.weights, write.moments, gradient_as_is), columns.compiled,
-             columns.flat, columns.cache)
+             [scalars, keys], (write.weights, write.moments, self._gradient_as_is), columns.compiled, columns.flat,
+             columns.cache)
 
-    def _scalars(self, group_index: Tensor, steps: list[Tensor]) -> tuple[Tensor, bool]:
-        """:func:`adam`'s scalars per member (fp32), from its group's hyper-parameters and its step counter (already
-        advanced): what depends on the group only in Python floats, what depends on the step in a dozen tensor ops
-        on the counters' device (no host read of a device counter), in fp64; and its ``gradient_as_is`` flag."""
-        step = torch.stack(steps).to(torch.float64).reshape(-1, 1)
-        rows, gradient_as_is = [], True
+    def _group_rows(self) -> Tensor:
+        """Per param group, fp64 on the host: (beta1, beta2, -lr, eps) and what depends on the group only (1 - beta1,
+        beta2, 1 - beta2, gradient sign, coupled weight decay, decoupled decay factor); sets ``gradient_as_is``:
+        no group maximizes or couples its weight decay (AdamW's case)."""
+        rows, self._gradient_as_is = [], True
         for group in self.optimizer.param_groups:
             lr, (beta1, beta2), wd = float(group["lr"]), group["betas"], group["weight_decay"]
             decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
             sign, l2 = -1.0 if group.get("maximize", False) else 1.0, 0.0 if decoupled else wd
-            gradient_as_is &= sign == 1.0 and l2 == 0.0
+            self._gradient_as_is &= sign == 1.0 and l2 == 0.0
             rows.append((beta1, beta2, -lr, group["eps"], 1.0 - beta1, beta2, 1.0 - beta2, sign, l2,
                          1.0 - lr * wd if decoupled and wd != 0 else 1.0))
-        table = torch.tensor(rows, dtype=torch.float64)[group_index].to(step.device)
-        corrections = 1.0 - table[:, :2] ** step  # 1 - beta1^t, 1 - beta2^t
-        scaled = table[:, 2:4] * corrections[:, 1:].sqrt()  # -lr and eps times sqrt(1 - beta2^t)
-        scalars = torch.cat([table[:, 4:], scaled[:, :1] / corrections[:, :1], scaled[:, 1:]], dim=1).float()
-        return scalars, gradient_as_is
+        return torch.tensor(rows, dtype=torch.float64)
+
+
+def _finish(rows: Tensor, steps: list[Tensor]) -> Tensor:
+    """:func:`adam`'s scalars per member (fp32) from its group row (:meth:`TorchAdam._group_rows`) and its step
+    counter (already advanced), in fp64 on the rows' device: the step size and eps scaled by the bias corrections
+    (a dozen tensor ops, no host read of a counter)."""
+    step = torch.stack(steps).to(torch.float64).reshape(-1, 1)
+    corrections = 1.0 - rows[:, :2] ** step  # 1 - beta1^t, 1 - beta2^t
+    scaled = rows[:, 2:4] * corrections[:, 1:].sqrt()  # -lr and eps times sqrt(1 - beta2^t)
+    return torch.cat([rows[:, 4:], scaled[:, :1] / corrections[:, :1], scaled[:, 1:]], dim=1).float()
 
 
 FAMILIES = {torch.optim.Adam: TorchAdam, torch.optim.AdamW: TorchAdam}

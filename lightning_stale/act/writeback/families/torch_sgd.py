@@ -19,7 +19,6 @@ from lightning_stale.act.writeback.kernels import (
     MultiTensor,
     noise,
     noise_keys,
-    to_device,
     weight_target,
     write_moments,
     write_weight,
@@ -71,15 +70,17 @@ class TorchSGD(Family):
                                 if momentum else None for m in members]
         return columns
 
-    def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:
+    def scalars(self, members: list[Member], columns: Columns) -> Tensor:
+        """:func:`sgd`'s scalars per member (fp32 on the host), from its group's hyper-parameters."""
         rows = [(-float(g["lr"]), g["momentum"], 1.0 - g["dampening"], -1.0 if g.get("maximize", False) else 1.0,
                  g["weight_decay"]) for g in self.optimizer.param_groups]
-        scalars = torch.tensor(rows, dtype=torch.float32)[columns.tensors["group"]]
+        return torch.tensor(rows, dtype=torch.float32)[columns.tensors["group"]]
+
+    def update(self, members: list[Member], columns: Columns, grads: list[Tensor], write: Write) -> None:
         keys = noise_keys(write.key, columns.tensors["noise"])
         nesterov = bool(members[0].group.get("nesterov", False))
-        SGD([columns.lists["w"], columns.lists["c"], grads, columns.lists["buf"]],
-            [to_device(scalars, columns.lists["w"][0].device), keys], (write.weights, write.moments, nesterov),
-            columns.compiled, columns.flat, columns.cache)
+        SGD([columns.lists["w"], columns.lists["c"], grads, columns.lists["buf"]], [write.scalars, keys],
+            (write.weights, write.moments, nesterov), columns.compiled, columns.flat, columns.cache)
 
 
 FAMILIES = {torch.optim.SGD: TorchSGD}
