@@ -310,3 +310,19 @@ def test_dtensor_type_where_torch_has_none(monkeypatch):
     assert _compat._dtensor_type() is None
     monkeypatch.setattr(_compat, "_DTENSOR", None)
     assert not _compat.is_dtensor(torch.zeros(2)) and _compat.local_tensor(torch.zeros(2)).shape == (2,)
+
+
+def test_the_floors_file_is_pyprojects_lower_bounds():
+    """``tests/floors.txt`` (the constraints that install every dependency at its oldest supported release) pins each
+    package at exactly the lower bound pyproject.toml declares, and names every package with one."""
+    import re
+    from pathlib import Path
+
+    from packaging.version import Version
+
+    root = Path(__file__).resolve().parent.parent
+    pins = dict(re.findall(r"^([\w-]+)==(\S+)$", (root / "tests" / "floors.txt").read_text(), re.M))
+    floors = dict(re.findall(r'"([\w-]+)(?:\[\w+\])?>=([\d.]+)"', (root / "pyproject.toml").read_text()))
+    floors.pop("setuptools")  # the build backend's, not a dependency
+    floors.pop("requests")  # any release the tests' HTTP stand-ins run on
+    assert {name: Version(v) for name, v in pins.items()} == {name: Version(v) for name, v in floors.items()}
