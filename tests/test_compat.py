@@ -152,7 +152,8 @@ def test_a_torchao_that_fails_to_import_is_torchao_not_installed(monkeypatch):
     """Any error from importing torchao's optimizers reads as torchao missing: no torchao classes, an ImportError naming
     the versions for the checkpoint reader (which turns it into its message)."""
     pytest.importorskip("torchao.optim")
-    _hide_torchao_optim(monkeypatch, AttributeError("module 'torch.utils._pytree' has no attribute 'register_constant'"))
+    error = AttributeError("module 'torch.utils._pytree' has no attribute 'register_constant'")
+    _hide_torchao_optim(monkeypatch, error)
     assert _compat.torchao_optimizer_classes() == ()
     with pytest.raises(ImportError, match=r"torchao .* does not import with torch .*register_constant"):
         _compat.import_torchao_optim()
