@@ -267,15 +267,42 @@ def unwrap_lightning_optimizer(optimizer: Any) -> Any:
 
 def torchao_optimizer_classes() -> tuple[type, ...]:
     """torchao's low-bit Adam classes: their private common base ``_AdamBase`` (which covers subclasses users
-    write), or the public classes of ``torchao.optim`` if the base moved."""
+    write), or the public classes of ``torchao.optim`` if the base moved; empty where ``torchao.optim`` does not
+    import on this torch (an error of any kind: torchao releases import on a few torch releases each)."""
     try:
         from torchao.optim.adam import _AdamBase
-    except ImportError:
-        import torchao.optim as ao
-
+    except Exception:  # noqa: BLE001 - a moved base, or a torchao that fails on this torch
+        try:
+            import torchao.optim as ao
+        except Exception:  # noqa: BLE001 - no torchao optimizer can exist here
+            return ()
         names = ("Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8")
-        return tuple(getattr(ao, n) for n in names if hasattr(ao, n))
+        return tuple(getattr(ao, n) for n in names if isinstance(getattr(ao, n, None), type))
     return (_AdamBase,)
+
+
+def torchao_state_classes() -> tuple[type, type, type]:
+    """torchao's optimizer-state tensor subclasses ``(OptimState8bit, OptimState4bit, OptimStateFp8)``, from its
+    internal modules ``torchao.optim.subclass_*``. ImportError, naming the installed torchao and the cause, where
+    they moved or fail to import (the torchao adapter is then unavailable, nothing else)."""
+    try:
+        from torchao.optim.subclass_4bit import OptimState4bit
+        from torchao.optim.subclass_8bit import OptimState8bit
+        from torchao.optim.subclass_fp8 import OptimStateFp8
+    except Exception as error:  # noqa: BLE001 - any failure inside torchao's modules
+        raise ImportError(f"torchao {_version('torchao')}'s optimizer states do not import with torch "
+                          f"{_version('torch')} ({type(error).__name__}: {error})") from None
+    return OptimState8bit, OptimState4bit, OptimStateFp8
+
+
+def _version(package: str) -> str:
+    """The installed version of ``package``, or "(not installed)"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def inductor_cxx() -> str | None:
@@ -317,6 +344,27 @@ def compiles(numel: int, device: Any) -> bool:
     holds no data)."""
     kind = getattr(device, "type", device)
     return numel >= COMPILE_MIN_NUMEL and kind != "meta" and (kind != "cpu" or compiler_available())
+
+
+@contextmanager
+def distinct_sizes() -> Iterator[None]:
+    """Inside the block, ``torch.compile`` gives every dimension its own size symbol (torch's private
+    ``torch.fx.experimental._config.use_duck_shape`` off): by default dynamo gives equal sizes one symbol and guards on
+    their equality, so a kernel recompiles (seconds) for every new pattern of equal sizes in a call. Where the setting
+    is missing, the block runs under torch's default: more recompiles, the same results."""
+    try:
+        from torch.fx.experimental import _config as fx_config
+    except ImportError:  # pragma: no cover - moved config
+        fx_config = None
+    if fx_config is None or not hasattr(fx_config, "use_duck_shape"):
+        yield
+        return
+    previous = fx_config.use_duck_shape
+    fx_config.use_duck_shape = False
+    try:
+        yield
+    finally:
+        fx_config.use_duck_shape = previous
 
 
 def _vectorized_bitcast(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -508,9 +556,15 @@ def quiet() -> Iterator[None]:
 
 def import_torchao_optim() -> None:
     """Import ``torchao.optim`` quietly (``torch.load(weights_only=True)`` reads its tensor subclasses once it is
-    imported); ImportError where torchao is not installed."""
-    with quiet():
-        import torchao.optim  # noqa: F401
+    imported); ImportError where torchao is not installed or does not import on this torch."""
+    try:
+        with quiet():
+            import torchao.optim  # noqa: F401
+    except ImportError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a torchao release that fails on this torch
+        raise ImportError(f"torchao {_version('torchao')} does not import with torch {_version('torch')} "
+                          f"({type(error).__name__}: {error})") from None
 
 
 def load_distributed_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -69,6 +69,43 @@ def test_the_path_is_what_the_scheduler_sets_and_it_is_left_as_found(kind, tenso
     assert np.array(_real_steps(opt, scheduler, 5)) == pytest.approx(path[:6], rel=1e-6)
 
 
+def _shared_lr_tensors(opt: torch.optim.Optimizer, scheduler) -> None:
+    """What torch <= 2.8 builds for a tensor lr: the group's ``lr``, its ``initial_lr`` and every scheduler's base lr
+    are one tensor, so each step's in-place lr write moves the base lrs too (later versions clone them)."""
+    for group in opt.param_groups:
+        group["initial_lr"] = group["lr"]
+    for each in [scheduler, *getattr(scheduler, "_schedulers", [])]:
+        if hasattr(each, "base_lrs"):
+            each.base_lrs = [group["lr"] for group in opt.param_groups]
+
+
+@pytest.mark.parametrize("lrs", [False, True])
+def test_a_look_ahead_keeps_the_tensors_a_schedule_shares(lrs):
+    """On torch <= 2.8 the groups and SequentialLR's schedulers share each tensor lr: after the look-ahead they still
+    do (values written back into the same tensors, never replaced), so the schedule goes on exactly as without it."""
+    def run(look: bool) -> list[list[float]]:
+        opt = _opt(tensor_lr=True)
+        scheduler = SCHEDULES["sequential"](opt)
+        _shared_lr_tensors(opt, scheduler)
+        rows = _real_steps(opt, scheduler, 3)
+        if look:
+            held = [float(g["lr"]) for g in opt.param_groups]
+            if lrs:  # a step in progress holds another lr in the groups
+                for group in opt.param_groups:
+                    group["lr"].fill_(0.0)
+            assert lr_path(scheduler, 30, lrs=[torch.tensor(v) for v in held] if lrs else None) is not None
+            if lrs:
+                assert [float(g["lr"]) for g in opt.param_groups] == [0.0, 0.0]
+                for group, value in zip(opt.param_groups, held):
+                    group["lr"].fill_(value)
+            shared = [g["lr"] for g in opt.param_groups]
+            assert all(g["initial_lr"] is lr for g, lr in zip(opt.param_groups, shared))
+            assert all(base is lr for s in scheduler._schedulers for base, lr in zip(s.base_lrs, shared))
+        return rows + _real_steps(opt, scheduler, 20)
+
+    assert run(look=True) == run(look=False)  # exactly: every lr of the run, bit for bit
+
+
 def test_a_path_from_other_current_lrs_puts_the_groups_back():
     """A step in progress may hold other values in the groups (the weight write-back zeroes the lr): the path starts
     from the real ones given, and the groups get their held values back."""

@@ -391,6 +391,32 @@ def test_the_compiled_pass_writes_the_eager_passes_bits(make, roundings, monkeyp
 
 
 @pytest.mark.skipif(not _compat.compiler_available(), reason="torch.compile needs a C++ compiler")
+def test_fp16_compensated_weights_compiled_are_the_eager_bits(monkeypatch):
+    """fp16 weights with the compensated write: the compiled pass keeps each weight's rounding residual (some
+    compilers drop an fp32 -> fp16 -> fp32 round trip; the rounding is integer ops on the bits) and writes the eager
+    pass's weights, moments and residuals bit for bit; the residuals are not all zero."""
+    from lightning_stale.vocab import COMPENSATION_KEY
+
+    def run(compiled: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        monkeypatch.setattr(family._compat, "compiles", lambda numel, device: compiled)
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 40)).half()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, eps=1e-4, weight_decay=0.1)
+        writeback = WeightWriteBack(opt, "compensated", moments="nearest", seed=3)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            checks.step(net, opt, torch.randn(16, 256, generator=gen).half())
+        residuals = [opt.state[p][COMPENSATION_KEY].clone() for p in net.parameters()]
+        writeback.close()
+        return [p.detach().clone() for p in net.parameters()] + checks.state_tensors(opt), residuals
+
+    (eager, eager_residuals), (compiled, residuals) = run(False), run(True)
+    assert all(bool(r.ne(0).any()) for r in eager_residuals)
+    assert all(torch.equal(a, b) for a, b in zip(eager_residuals, residuals))
+    assert len(eager) == len(compiled) and all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+@pytest.mark.skipif(not _compat.compiler_available(), reason="torch.compile needs a C++ compiler")
 def test_one_graph_per_call_length_whatever_the_ranks(monkeypatch):
     """Each tensor reaches the compiled pass flat and not as a view (a view's base would put its rank into the
     guards): 18 parameters whose 1-D and 2-D ones fall differently in each call compile one graph per call length

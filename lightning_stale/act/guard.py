@@ -37,7 +37,6 @@ from functools import cache
 
 import torch
 from torch import Tensor
-from torch.fx.experimental import _config as _fx_config
 
 from lightning_stale import _compat
 from lightning_stale.adapters.layouts import ZeroLanes
@@ -180,12 +179,6 @@ def _eager_pair(kernel: _Kernel, v: Tensor, m: Tensor, v_scale: Tensor | None, m
 def _scale_rows(scale: Tensor | None, first: int, count: int) -> Tensor | None:
     """The ``(rows, 1)`` scales of ``count`` rows from ``first`` (one scale ``(1, 1)`` serves every row)."""
     return scale if scale is None or scale.shape[0] == 1 else scale[first:first + count]
-
-
-def _distinct_sizes() -> contextlib.AbstractContextManager:
-    """Compile with one size symbol per dimension: by default dynamo gives equal sizes one symbol and guards on their
-    equality, so the same kernel would recompile (seconds) for every new pattern of equal sizes in a call."""
-    return _fx_config.patch(use_duck_shape=False)
 
 
 def zero_lanes(slot: Slot) -> ZeroLanes | None:
@@ -337,7 +330,7 @@ class GuardPlan:
         if count:
             counts = [n for v_slots, m_slots in self.pairs for n in _guard_masked(v_slots, m_slots, count=True)]
             return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64)
-        with _distinct_sizes() if self._compiles else contextlib.nullcontext():
+        with _compat.distinct_sizes() if self._compiles else contextlib.nullcontext():
             for kernel, args in self._calls:
                 _guard_pass(kernel, args, fuse=True)
             for group in self._groups:

@@ -51,7 +51,13 @@ def _load_registrations() -> None:
     for library, module in _BUILTINS.items():
         if library in sys.modules and module not in _LOADED:
             _LOADED.add(module)
-            for optimizer_cls, adapter_cls in importlib.import_module(module).ADAPTERS.items():
+            try:
+                adapters = importlib.import_module(module).ADAPTERS
+            except Exception as error:  # noqa: BLE001 - a library release whose internals moved: its optimizers only
+                warnings.warn(f"lightning_stale cannot read {library} optimizers with this installation "
+                              f"({type(error).__name__}: {error}); other optimizers are unaffected", stacklevel=3)
+                continue
+            for optimizer_cls, adapter_cls in adapters.items():
                 _REGISTRY.setdefault(optimizer_cls, adapter_cls)
     if ENTRY_POINT_GROUP not in _LOADED:
         _LOADED.add(ENTRY_POINT_GROUP)

@@ -18,11 +18,8 @@ from __future__ import annotations
 
 
 from torch import Tensor
-from torchao.optim.subclass_4bit import OptimState4bit
-from torchao.optim.subclass_8bit import OptimState8bit
-from torchao.optim.subclass_fp8 import OptimStateFp8
 
-from lightning_stale._compat import local_tensor, torchao_optimizer_classes
+from lightning_stale._compat import local_tensor, torchao_optimizer_classes, torchao_state_classes
 from lightning_stale.adapters.layouts import FLOAT_FORMATS, BlockFp8Slot, BlockQmapSlot, FloatSlot, Packed4bitSlot
 from lightning_stale.adapters.protocol import Moment, SharedStepAdapter, Slot
 from lightning_stale.adapters.restart import restarted_v
@@ -30,6 +27,7 @@ from lightning_stale.formats.base import pack_nibbles, round_up_blockwise
 from lightning_stale.formats.floats import round_up_float
 from lightning_stale.formats.fp8 import round_up_fp8_blockwise
 
+OptimState8bit, OptimState4bit, OptimStateFp8 = torchao_state_classes()
 KEYS: tuple[tuple[str, Moment, int], ...] = (("exp_avg", "m", 0), ("exp_avg_sq", "v", 1))
 
 

@@ -16,22 +16,57 @@ from torch import Tensor
 UNKNOWN_LAST_STEP = 10**9  # a run whose length a front-end cannot know: the time budget bounds the look-ahead
 
 
-def _snapshot(groups: list[dict[str, Any]]) -> list[dict[str, tuple[Any, Any]]]:
-    """Each group's hyperparameters: the object and a copy of its value."""
-    return [{k: (v, v.clone() if isinstance(v, Tensor) else copy.copy(v)) for k, v in g.items() if k != "params"}
-            for g in groups]
+def _capture(value: Any) -> tuple[Any, Any]:
+    """``value`` and what puts it back: a tensor's values, a list's, tuple's or dict's items (each captured), a copy of
+    anything else (an immutable value is its own copy)."""
+    if isinstance(value, Tensor):
+        return value, value.clone()
+    if isinstance(value, (list, tuple)):
+        return value, [_capture(item) for item in value]
+    if isinstance(value, dict):
+        return value, {key: _capture(item) for key, item in value.items()}
+    return value, copy.deepcopy(value)
 
 
-def _restore(groups: list[dict[str, Any]], saved: list[dict[str, tuple[Any, Any]]]) -> None:
-    """Put back every hyperparameter the scheduler may have set (lr, momentum or betas): the same objects, a tensor's
-    value written back in place (fused and capturable steps keep references to it)."""
+def _put_back(record: tuple[Any, Any]) -> Any:
+    """The captured object with its captured value, as the same object wherever it can change in place: a tensor's
+    values copied back into it, a list's or dict's items put back into it; a tuple is the same tuple where its items
+    are. Objects shared between the optimizer and its schedulers (torch <= 2.8 gives a tensor lr, the group's
+    ``initial_lr`` and the schedulers' base lrs one tensor) stay shared, so the schedule goes on as it would have."""
+    obj, saved = record
+    if isinstance(obj, Tensor):
+        obj.copy_(saved)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [_put_back(item) for item in saved]
+        return obj
+    if isinstance(obj, dict):
+        items = {key: _put_back(item) for key, item in saved.items()}
+        obj.clear()
+        obj.update(items)
+        return obj
+    if isinstance(obj, tuple):
+        items = [_put_back(item) for item in saved]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return saved
+
+
+def _capture_groups(groups: list[dict[str, Any]]) -> list[dict[str, tuple[Any, Any]]]:
+    """Each group's hyperparameters (every entry but its parameters), captured."""
+    return [{key: _capture(value) for key, value in group.items() if key != "params"} for group in groups]
+
+
+def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, tuple[Any, Any]]]) -> None:
+    """Put back every hyperparameter the scheduler may have set (lr, momentum or betas, ``initial_lr``) as the same
+    objects with their values (fused and capturable steps keep references to a tensor lr), and drop entries it
+    added."""
     for group, values in zip(groups, saved):
         for key in [k for k in group if k != "params" and k not in values]:
             del group[key]
-        for key, (obj, value) in values.items():
-            if isinstance(obj, Tensor):
-                obj.copy_(value)
-            group[key] = obj
+        for key, record in values.items():
+            group[key] = _put_back(record)
 
 
 @torch.no_grad()
@@ -48,11 +83,18 @@ def lr_path(scheduler: Any, steps: int, lrs: list[Any] | None = None, seconds: f
     if type(scheduler) is torch.optim.lr_scheduler.LambdaLR:  # transformers' schedules: a closed form, not stepped
         return _lambda_path(scheduler, steps, [float(lr) for lr in lrs] if lrs else [float(g["lr"]) for g in groups],
                             seconds)
-    state, hyper = copy.deepcopy(scheduler.state_dict()), _snapshot(groups)
+    try:  # the scheduler's state as its own objects (load_state_dict binds them again), and their values
+        state = scheduler.state_dict()
+        saved, hyper = _capture(state), _capture_groups(groups)
+    except Exception:  # a state that cannot be copied: the schedule is not run ahead
+        return None
     deadline = time.perf_counter() + seconds
     try:
         for group, lr in zip(groups, lrs or ()):
-            group["lr"] = lr.clone() if isinstance(lr, Tensor) else lr
+            if isinstance(group["lr"], Tensor):
+                group["lr"].fill_(lr)  # in place: whatever shares the tensor sees the lr the step really has
+            else:
+                group["lr"] = lr.clone() if isinstance(lr, Tensor) else lr
         rows = [[float(g["lr"]) for g in groups]]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()" and the like
@@ -62,8 +104,9 @@ def lr_path(scheduler: Any, steps: int, lrs: list[Any] | None = None, seconds: f
     except Exception:  # a schedule that cannot run ahead is not known: the report leaves the step out
         return None
     finally:
+        _put_back(saved)
         scheduler.load_state_dict(state)
-        _restore(groups, hyper)
+        _restore_groups(groups, hyper)
     return np.asarray(rows, dtype=np.float64)
 
 

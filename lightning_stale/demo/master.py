@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.optim.adam import adam
+from torch.optim.adamw import adamw
 
 from lightning_stale.act.writeback.kernels import noise, noise_base, noise_keys, step_key
 from lightning_stale.formats.floats import on_grid
@@ -69,9 +69,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 w = state["master"] if self.weights == "fp32" else p.detach().float()
                 m, v = (state[k] if kept == torch.float32 else state[k].float() for k in ("exp_avg", "exp_avg_sq"))
                 beta1, beta2 = group["betas"]
-                adam([w], [p.grad.float()], [m], [v], [], [state["step"]], foreach=False,
-                     decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+                adamw([w], [p.grad.float()], [m], [v], [], [state["step"]], foreach=False, amsgrad=False, beta1=beta1,
+                      beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
                 step = int(state["step"])
                 if kept != torch.float32:
                     state["exp_avg"].copy_(self._round(m, kept, step, 3 * index + 1))

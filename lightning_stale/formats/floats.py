@@ -42,16 +42,35 @@ def stochastic_round_float(
 
 
 def nearest_on_grid(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """fp32 ``x`` rounded to the nearest value of ``dtype`` (bf16 or fp16; ties to even, as the cast), still in fp32.
-    bf16 rounds the fp32 bit pattern with integer ops: a compiler cannot fold the round trip away (Inductor drops an
-    fp32 -> bf16 -> fp32 cast pair unless told to emulate casts, which slows every kernel); fp16 casts twice (compile
-    it with ``emulate_precision_casts``)."""
+    """fp32 ``x`` rounded to the nearest value of ``dtype`` (bf16 or fp16; ties to even), still in fp32: the bits of
+    ``x.to(dtype).float()`` for every input (subnormals, overflow to inf, inf, NaN), computed with integer ops on the
+    fp32 bit pattern, so a compiler cannot fold the round trip away (Inductor drops an fp32 -> bf16/fp16 -> fp32 cast
+    pair unless told to emulate casts, which slows every kernel, and some versions drop it for fp16 even then)."""
+    bits = x.view(torch.int32)
     if dtype == torch.bfloat16:
-        bits = x.view(torch.int32)
         rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -65536).view(torch.float32)
         # a NaN stays one (adding to its bits could make it inf); x != x vectorizes where Inductor scalarizes isnan
         return torch.where(x != x, x, rounded)  # noqa: PLR0124 - the NaN test
-    return x.to(dtype).float()
+    return _nearest_fp16(bits)
+
+
+def _nearest_fp16(bits: Tensor) -> Tensor:
+    """The fp32 bit patterns ``bits`` (int32) rounded to the nearest fp16 value (ties to even), as fp32 values: what
+    torch's cast pair gives; a NaN stays a NaN (quieted, its low 13 payload bits dropped, as the cast's vector code
+    does)."""
+    magnitude = bits & 0x7FFFFFFF
+    sign = bits & -0x80000000
+    # normal fp16 range: keep 10 mantissa bits, round the 13 dropped ones to nearest even (a carry moves the exponent)
+    normal = (magnitude + (0xFFF + ((magnitude >> 13) & 1))) & -8192
+    # subnormal fp16 range (|x| < 2^-14): the multiple q of 2^-24 nearest to the 24-bit significand times 2^(e - 126),
+    # with the shift clamped (every element computes both ranges; smaller values all round to 0, 2^-25 a tie to 0)
+    shift = (126 - (magnitude >> 23)).clamp_(14, 25)
+    significand = (magnitude & 0x7FFFFF) | 0x800000
+    q = (significand + ((1 << (shift - 1)) - 1) + ((significand >> shift) & 1)) >> shift
+    subnormal = (q.to(torch.float32) * 2.0**-24).view(torch.int32)  # exact: q <= 1024
+    finite = torch.where(magnitude < 0x38800000, subnormal, torch.where(magnitude < 0x477FF000, normal, 0x7F800000))
+    nan = (magnitude | 0x400000) & -8192  # as the cast quiets a NaN: top 10 payload bits kept
+    return (torch.where(magnitude > 0x7F800000, nan, finite) | sign).view(torch.float32)
 
 
 def on_grid(x: Tensor, dtype: torch.dtype, noise: Tensor) -> Tensor:
