@@ -435,15 +435,15 @@ def recompile_limit_name(dynamo_config: Any) -> str | None:
 
 
 @contextmanager
-def multi_tensor_compile(emulate_casts: bool = False, recompile_limit: int = 64) -> Iterator[None]:
-    """The settings under which the package's multi-tensor kernels compile and run (entered around their calls):
-    with ``emulate_casts``, casts to bf16/fp16 kept as written (Inductor otherwise drops an fp32 -> fp16 -> fp32
-    round trip, and with it a compensated residual; it costs a third of the kernel's time), room for one graph per
-    group length, dtype and variant (dynamo's ``recompile_limit``, ``cache_size_limit`` before torch 2.7), vectorized
-    same-width bit casts on CPU (the stochastic rounding's, otherwise scalar and most of the kernel's time), and no
-    size and stride assertions in the generated wrapper (one per tensor on every call; the callers check what they
-    would). Private configuration of torch: where one is missing the kernels compile and run with the same bits,
-    slower or more often; every setting is restored on leaving, also after an error."""
+def multi_tensor_compile(recompile_limit: int = 64) -> Iterator[None]:
+    """The settings under which the package's multi-tensor kernels compile and run (entered around their calls): room
+    for one graph per group length, dtype and variant (dynamo's ``recompile_limit``, ``cache_size_limit`` before
+    torch 2.7), vectorized same-width bit casts on CPU (the stochastic rounding's, otherwise scalar and most of the
+    kernel's time), and no size and stride assertions in the generated wrapper (one per tensor on every call; the
+    callers check what they would). The kernels' roundings are integer operations on the fp32 bits, which no compiler
+    folds away, so no cast emulation is asked for. Private configuration of torch: where one is missing the kernels
+    compile and run with the same bits, slower or more often; every setting is restored on leaving, also after an
+    error."""
     undo: list[Callable[[], None]] = []
 
     def set_attribute(owner: Any, name: str, value: Any) -> None:
@@ -463,7 +463,6 @@ def multi_tensor_compile(emulate_casts: bool = False, recompile_limit: int = 64)
         try:
             import torch._inductor.config as inductor_config
 
-            set_attribute(inductor_config, "emulate_precision_casts", emulate_casts)
             set_attribute(inductor_config, "size_asserts", False)
         except ImportError:  # pragma: no cover - torch without Inductor
             pass

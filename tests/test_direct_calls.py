@@ -138,17 +138,17 @@ def test_graphs_without_readable_inputs_go_through_dynamo_with_the_same_bits():
 
 
 def test_multi_tensor_compile_sets_and_restores_its_settings():
-    """Inside: no size assertions in Inductor's wrappers, casts emulated where asked, room for more graphs; outside,
-    everything as it was (also after an error inside)."""
+    """Inside: no size assertions in Inductor's wrappers, room for more graphs; outside, everything as it was (also
+    after an error inside)."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
     def settings():
-        return (inductor_config.size_asserts, inductor_config.emulate_precision_casts, dynamo_config.recompile_limit)
+        return inductor_config.size_asserts, dynamo_config.recompile_limit
 
     before = settings()
-    with pytest.raises(RuntimeError, match="inside"), _compat.multi_tensor_compile(emulate_casts=True):
-        assert not inductor_config.size_asserts and inductor_config.emulate_precision_casts
+    with pytest.raises(RuntimeError, match="inside"), _compat.multi_tensor_compile():
+        assert not inductor_config.size_asserts
         assert dynamo_config.recompile_limit >= 64
         raise RuntimeError("inside")
     assert settings() == before

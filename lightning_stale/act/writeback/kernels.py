@@ -207,10 +207,7 @@ class MultiTensor:
             self._compiled = torch.compile(self._loop, dynamic=True, fullgraph=True, backend=self._capture)
         checked = [self._kind(j, column) for j, column in enumerate(columns)]
         direct = self._direct(checked, rows)
-        weights = checked[0][0] if checked[0] else None  # the weights' one dtype, if they have one
-        fp16 = weights == torch.float16 if weights is not None else any(t.dtype == torch.float16 for t in columns[0])
-        # fp16's nearest rounding is a cast pair, which Inductor keeps only when it emulates casts (bf16's is bit ops)
-        with _compat.multi_tensor_compile(emulate_casts=fp16):
+        with _compat.multi_tensor_compile():
             groups = _groups(len(columns[0]))
             pieces = [row.split([stop - start for start, stop in groups]) for row in rows]  # one call per table
             numels = next(kind[2] for kind in checked if kind) if direct else tuple(t.numel() for t in columns[0])
