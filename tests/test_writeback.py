@@ -541,3 +541,32 @@ def test_a_checkpoint_of_the_released_version_continues_exactly():
     for monitor_first in (True, False):
         ours = resume(saved, monitor_first)
         assert len(ours) == len(expected) and all(torch.equal(a, b) for a, b in zip(ours, expected))
+
+
+def test_a_short_run_keeps_the_cpu_pass_eager_and_a_long_one_compiles(caplog):
+    """Where the run's remaining steps are known, a bucket whose CPU pass would compile runs its first step eagerly,
+    timed: it compiles from then on only if its eager steps over the rest of the run would cost more than the
+    compile (a short run stays eager and says so once); with no plan, large buckets compile as before."""
+    from lightning_stale.act.writeback import writeback
+
+    def first_steps(plan: int | None, steps: int) -> WeightWriteBack:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(256, 256).to(torch.bfloat16)  # 65,792 elements: a bucket large enough to compile
+        opt = _adamw(layer.parameters())
+        wb = WeightWriteBack(opt, "compensated")
+        if plan is not None:
+            wb.plan_steps(plan)
+        for _ in range(steps):
+            layer(torch.randn(4, 256).to(torch.bfloat16)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return wb
+
+    with caplog.at_level(logging.INFO, logger="lightning_stale"):
+        short = first_steps(plan=5, steps=3)  # the state appears at step 1, the first write is step 2: judged there
+    assert not short._buckets[0].columns.compiled and not short._buckets[0].judge
+    assert sum("stay on eager ops" in r.getMessage() for r in caplog.records) == 1
+    long = first_steps(plan=writeback.COMPILE_SECONDS * 10**6, steps=2)  # judged, not yet compiled
+    assert long._buckets[0].columns.compiled and not long._buckets[0].judge
+    unplanned = first_steps(plan=None, steps=1)
+    assert unplanned._plan()[0].columns.compiled and not unplanned._buckets[0].judge

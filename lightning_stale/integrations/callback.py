@@ -190,10 +190,13 @@ class StaleStateCallback(Callback):
         self.monitor.add_reset_listener(lambda event: self.on_reset(trainer, event))
         if not self.monitor.restored and previous is not None and same_trainer:
             self.monitor.continue_from(previous)  # a later fit of the same Trainer goes on (a new one starts over)
+        last_step = _last_step(trainer)
+        if last_step != UNKNOWN_LAST_STEP:
+            self.monitor.plan_steps(last_step)
         for config in trainer.lr_scheduler_configs:  # the weights' fit-start report says when lr falls past them
             if config.interval == "step" and not config.reduce_on_plateau and \
                     self.monitor.watches(config.scheduler.optimizer):
-                self.monitor.follow_schedule(config.scheduler, _last_step(trainer), every=config.frequency)
+                self.monitor.follow_schedule(config.scheduler, last_step, every=config.frequency)
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
         """Only Lightning Fabric calls this hook: this callback is the Trainer's front-end."""

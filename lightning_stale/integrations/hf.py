@@ -67,6 +67,8 @@ class StaleStateHFCallback(TrainerCallback, hf_exportable_state()):
                                          coverage_steps=max(1, int(args.logging_steps)),
                                          state=from_json(saved) if saved else None)
         self.saved_state = None
+        if state.max_steps > 0:
+            self.monitor.plan_steps(int(state.max_steps))
         scheduler = kwargs.get("lr_scheduler")  # stepped once per optimizer step, to state.max_steps
         scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper, where there is one
         if self.monitor.watches(getattr(scheduler, "optimizer", None)):

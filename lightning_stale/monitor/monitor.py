@@ -180,6 +180,14 @@ class StaleStateMonitor:
                              f"({', '.join(type(pipeline.optimizer).__name__ for pipeline in self._pipelines)})")
         pipeline.follow(scheduler, last_step, every)
 
+    def plan_steps(self, last_step: int) -> None:
+        """The run ends at optimizer step ``last_step`` (front-ends that know it say so at fit start): the weight
+        write-back then compiles its CPU pass only where the remaining steps repay the compile."""
+        check_int("last_step", last_step, minimum=0)
+        for pipeline in self._pipelines:
+            if pipeline.writeback is not None:
+                pipeline.writeback.plan_steps(last_step - pipeline.steps)
+
     def add_reset_listener(self, listener: ResetListener) -> None:
         """Call ``listener(event)`` with a :class:`ResetEvent` after every reset (e.g. to re-warm a learning rate)."""
         self._listeners.append(listener)

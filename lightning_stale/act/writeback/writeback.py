@@ -11,6 +11,7 @@ DTensor under FSDP2), so every front-end's optimizer checkpoint carries it. fp32
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -38,13 +39,19 @@ from lightning_stale.vocab import COMPENSATION_KEY, ROUNDINGS, WEIGHT_ROUNDINGS,
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+# What compiling one bucket's graphs costs on a CPU from an empty cache (19-34 s measured on 2 cores; a warm cache
+# about 5 s): where the run's remaining steps are known, a bucket compiles only if its eager steps would cost more.
+COMPILE_SECONDS = 30.0
+
+
 class _Bucket:
-    """Members updated in one pass, with their columns (built when the taken-over set changes)."""
+    """Members updated in one pass, with their columns (built when the taken-over set changes); ``judge``: its pass
+    would compile on the CPU and the run's remaining steps are known, so its first step runs eagerly and is timed."""
 
-    __slots__ = ("columns", "members", "params")
+    __slots__ = ("columns", "judge", "members", "params")
 
-    def __init__(self, members: list[Member], columns: Columns) -> None:
-        self.members, self.columns = members, columns
+    def __init__(self, members: list[Member], columns: Columns, judge: bool = False) -> None:
+        self.members, self.columns, self.judge = members, columns, judge
         self.params = [m.param for m in members]
 
 
@@ -88,6 +95,8 @@ class WeightWriteBack:
         self._pending: dict[int, Tensor] = {}  # residuals of a checkpoint that kept them in the callback's state
         self._restored: set[int] = set()  # taken over in a loaded checkpoint: a missing buffer there is said
         self._warned_scaler = False
+        self.steps_left: int | None = None  # optimizer steps the run has left, where a front-end knows them
+        self._said_eager = False
         # the post-step hook runs first: every other one sees the written weights and the given-back gradients
         self._handles = [
             self.optimizer.register_step_pre_hook(self._pre_hook),
@@ -103,6 +112,14 @@ class WeightWriteBack:
         if self._chosen is not None:
             self._chosen |= {id(p) for p in params}
             self._version += 1
+
+    def plan_steps(self, remaining: int) -> None:
+        """The run has ``remaining`` optimizer steps left (a front-end that knows its last step says so): a bucket's
+        CPU pass then compiles only where its eager steps over them would cost more than the compile
+        (:data:`COMPILE_SECONDS`), judged by timing its first eager step. Without it every large enough bucket
+        compiles (a run of unknown length is taken as a long one)."""
+        self.steps_left = max(0, int(remaining))
+        self._version += 1
 
     def takes_over(self, param: Tensor) -> bool:
         """Whether the write-back takes over ``param``'s step (once it is stored below fp32)."""
@@ -174,7 +191,12 @@ class WeightWriteBack:
             info(f"[lightning_stale] weight write-back: the checkpoint holds no compensation buffer for "
                  f"{len(missing)} parameter(s) it took over; they continue from a zero residual")
         self._restored -= set(missing)
-        return [_Bucket(members, self.family.prepare(members)) for members in by_key.values()]
+        buckets = [_Bucket(members, self.family.prepare(members)) for members in by_key.values()]
+        for bucket in buckets:
+            columns = bucket.columns
+            if columns.compiled and self.steps_left is not None and columns.lists["w"][0].device.type == "cpu":
+                bucket.judge, columns.compiled = True, False
+        return buckets
 
     def _buffer(self, index: int, param: Tensor, state: dict[str, Any], missing: list[int]) -> Tensor:
         """``param``'s compensation buffer in its optimizer state: created like the parameter (zeros) where absent,
@@ -199,6 +221,8 @@ class WeightWriteBack:
         monitor's snapshot comes first): torch passes the step's own args, the optimizer first, so the closure is
         args[1] or kwargs["closure"]."""
         self._give_back()  # a step that failed where the error hook could not see it (its wrapper replaced)
+        if self.steps_left:
+            self.steps_left -= 1
         if not self._plan():
             return None
         if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
@@ -235,16 +259,32 @@ class WeightWriteBack:
                     continue
                 members, columns = [bucket.members[i] for i in take], bucket.columns.subset(take)
                 params, grads = [bucket.params[i] for i in take], [grads[i] for i in take]
-            work.append((members, columns, params, grads, self.family.scalars(members, columns)))
+            work.append((members, columns, params, grads, self.family.scalars(members, columns), bucket))
         tables = to_devices([w[4] for w in work], [w[0][0].local.device for w in work])
-        for (members, columns, params, grads, _), table in zip(work, tables):
+        for (members, columns, params, grads, _, bucket), table in zip(work, tables):
             local = [local_tensor(g) for g in grads] if columns.sharded else grads
+            start = time.perf_counter()
             self.family.update(members, columns, [flat_alias(g) for g in local] if columns.flat else local,
                                Write(self.rounding, self.moments, key, table))
+            if bucket.judge:
+                self._judge(bucket, time.perf_counter() - start)
             for param in params:
                 param.grad = None
             self._hidden.extend(zip(params, grads))
         self.count += bool(work)
+
+    def _judge(self, bucket: _Bucket, seconds: float) -> None:
+        """Compile ``bucket``'s CPU pass from its next step on where its eager step (``seconds``, on the host: the CPU
+        computes as it is timed) over the run's remaining steps would cost more than compiling; else say once that
+        it stays eager."""
+        bucket.judge = False
+        eager = seconds * (self.steps_left or 0)
+        bucket.columns.compiled = eager > COMPILE_SECONDS
+        if not bucket.columns.compiled and not self._said_eager:
+            self._said_eager = True
+            info(f"[lightning_stale] weight write-back: {len(bucket.members)} parameter(s) stay on eager ops: "
+                 f"{seconds * 1e3:.0f} ms a step over the run's {self.steps_left} remaining steps costs less than "
+                 f"compiling their pass (about {COMPILE_SECONDS:.0f} s from an empty cache)")
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """Give the gradients back; notice parameters whose state the optimizer's step just created (their buffers
