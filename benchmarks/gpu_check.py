@@ -79,15 +79,14 @@ def part_train(device: str, quick: bool) -> dict[str, Any]:
     """fp32, bf16-true and bf16-true + auto on the demo decoder: the validation loss of each, the gap, the share
     recovered."""
     from lightning_stale.demo.configs import DEMO_MODEL, DemoSettings, resolve_configs
-    from lightning_stale.demo.data import load_corpus
     from lightning_stale.demo.model import DecoderConfig
-    from lightning_stale.demo.training import train_config
+    from lightning_stale.demo.training import prepare_corpus, train_config
 
     model = DecoderConfig(dim=16, n_layers=1, n_heads=2, hidden=32, context=16) if quick else DEMO_MODEL
     settings = DemoSettings(steps=20 if quick else 300, lr=1e-3, model=model, accelerator=device, progress_bar=False,
                             val_batches=2 if quick else 20, evaluations=1, threads=None,
                             max_bytes=200_000 if quick else DemoSettings.max_bytes)
-    corpus = load_corpus(settings)
+    corpus = prepare_corpus(settings)
     losses = {}
     with tempfile.TemporaryDirectory() as logs:
         for config in resolve_configs("fp32,torchbf16,torchbf16+auto"):
@@ -103,7 +102,7 @@ def part_train(device: str, quick: bool) -> dict[str, Any]:
 
 def part_step(device: str, quick: bool) -> dict[str, Any]:
     """The write-back's step against the peers (``benchmarks/weight_writeback.py``), at 12M and 1B parameters."""
-    runs = [["--tensors", "66", "--total", "3e5", "--rounds", "2", "--warmup", "1"]] if quick else [
+    runs = [["--tensors", "66", "--total", "3e4", "--rounds", "2", "--warmup", "1"]] if quick else [
         ["--tensors", "66", "291", "1020", "--rounds", "20"],
         ["--tensors", "291", "1020", "--total", "1e9", "--rounds", "8", "--only", "fused", "auto", "kahan_sum, foreach",
          "bnb"]]
@@ -139,10 +138,10 @@ def commands(device: str, quick: bool) -> dict[str, tuple[list[str], int]]:
         tests = pytest[:-1] + ["-k", "cuda", "--continue-on-collection-errors", "--ignore",
                                "tests/test_writeback_triton.py", "tests"]
         kernel = pytest + ["tests/test_writeback_triton.py", "-k", "cuda"]
-    overhead = [python, "benchmarks/overhead.py", "--device", device, "--modes", "default", "auto",
-                "--precision", "bf16-true", "--optimizers", "torch AdamW"]
-    overhead += ["--tensors", "16", "--rounds", "1", "--steps", "12", "--warmup", "2"] if quick else \
-        ["--tensors", "291", "1024", "--rounds", "2", "--steps", "60"]
+    overhead = [python, "benchmarks/overhead.py", "--device", device, "--precision", "bf16-true", "--optimizers",
+                "torch AdamW", "--modes", "default"]
+    overhead += ["--tensors", "16", "--rounds", "1", "--steps", "6", "--warmup", "2", "--memory-params", "0"] \
+        if quick else ["auto", "--tensors", "291", "1024", "--rounds", "2", "--steps", "60"]
     return {"tests": (tests, 240), "kernel": (kernel, 90), "syncs": (own + ["--part", "syncs"], 90),
             "step": (own + ["--part", "step"], 150), "train": (own + ["--part", "train"], 120),
             "monitor": (overhead, 120)}
@@ -156,8 +155,8 @@ def run_part(name: str, command: list[str], timeout: int, env: dict[str, str], n
                               env={**env, "GPU_CHECK_NUMBERS": str(numbers)})
         text, code = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as error:
-        text = f"{error.stdout or ''}{error.stderr or ''}\nTIMEOUT after {timeout} s"
-        text, code = (text.decode() if isinstance(text, bytes) else text), 124
+        parts = [p.decode(errors="replace") if isinstance(p, bytes) else p for p in (error.stdout, error.stderr) if p]
+        text, code = "".join(parts) + f"\nTIMEOUT after {timeout} s", 124
     seconds = time.perf_counter() - start
     result = {"name": name, "exit": code, "seconds": round(seconds, 1), "command": " ".join(command)}
     if numbers.exists():

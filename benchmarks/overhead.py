@@ -406,7 +406,7 @@ def main() -> None:
                              "step's compute), not wall time: robust to other processes on a loaded machine")
     parser.add_argument("--model", choices=("residual", "demo"), default="residual",
                         help="residual stacks of --tensors tensors, or the long plan's demo decoder (--tensors unused)")
-    parser.add_argument("--memory-params", type=int, default=12_000_000,
+    parser.add_argument("--memory-params", type=int, default=12_000_000,  # 0: no memory section
                         help="total parameters of the memory-only models")
     parser.add_argument("--paired", action="store_true",
                         help="monitor + guard on a 4 x Linear(1024, 1024) MLP, interleaved in one process (--rounds runs of --steps)")
@@ -480,7 +480,7 @@ def main() -> None:
             print("| optimizer | tensors | mode | write-back hooks (ms) | hooks / step | A/B cost |")
             print("|---|---|---|---|---|---|")
             print("\n".join(writeback_rows), flush=True)
-        if demo:
+        if demo or not args.memory_params:
             return
         print(f"\nResident memory at ~{args.memory_params / 1e6:.0f}M parameters (default mode, memory only):")
         print("| optimizer | tensors | state (MiB) | resident (KiB) | resident / state |")

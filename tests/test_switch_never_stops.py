@@ -196,3 +196,30 @@ def test_strict_false_watches_an_unknown_optimizer_with_the_generic_adapter(tmp_
     with pytest.warns(UserWarning, match="using the generic adapter"):
         rows, _ = fabric_loop("custom", [fabric_callback])
     assert [row["step"] for row in rows.rows] == [2, 4, 6]
+
+
+def test_a_fabric_callback_collected_during_a_step_ends_no_step():
+    """torch runs its global pre-step hooks from a dict that must not change while it does: a Fabric callback that
+    is garbage-collected in the middle of a step (another run's, gone out of scope) removes nothing from it."""
+    import gc
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    doomed: list = []
+
+    def collect(optimizer, args, kwargs):
+        doomed.clear()
+        gc.collect()
+
+    handle = register_optimizer_step_pre_hook(collect)  # runs before the hooks of the callbacks made after it
+    kept = StaleStateFabricCallback()
+    doomed.append(StaleStateFabricCallback())
+    try:
+        param = torch.nn.Parameter(torch.zeros(3))
+        optimizer = torch.optim.SGD([param], lr=0.1)
+        for _ in range(2):
+            param.grad = torch.ones(3)
+            optimizer.step()
+    finally:
+        handle.remove()
+    assert kept.monitors == {} and torch.equal(param.detach(), torch.full((3,), -0.2))

@@ -61,8 +61,7 @@ class StaleStateFabricCallback:
         self._schedules: list[tuple[Any, int, int]] = []  # followed by the monitors attached from now on
         self._foreign: weakref.WeakSet = weakref.WeakSet()  # optimizers stepped outside this callback's Fabric
         self._declined: weakref.WeakSet = weakref.WeakSet()  # optimizers the entry point's callback does not watch
-        self._pre_step = register_optimizer_step_pre_hook(_first_step_hook(weakref.ref(self)))
-        weakref.finalize(self, self._pre_step.remove)
+        _watch_first_steps(self)
 
     @property
     def fabric(self) -> Any:
@@ -191,20 +190,28 @@ class StaleStateFabricCallback:
 
     def teardown(self) -> None:
         """Detach from every optimizer."""
-        self._pre_step.remove()
+        _WATCHING.discard(self)
         for monitor in self.monitors.values():
             monitor.close()
 
 
-def _first_step_hook(callback: weakref.ref) -> Any:
-    """The global pre-step hook of a callback, holding it weakly (an unused callback is not kept alive by torch)."""
+# The callbacks that attach to their Fabric's optimizers before their first step, held weakly, and torch's global
+# pre-step hook that tells them of every step: one hook for the process, registered once and never removed (a hook
+# removed while torch runs the hooks of a step, as a callback's finalizer could be, ends that step with an error).
+_WATCHING: weakref.WeakSet = weakref.WeakSet()
+_HOOK: list[Any] = []
 
-    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        owner = callback()
-        if owner is not None:
-            owner._before_first_step(optimizer)
 
-    return hook
+def _watch_first_steps(callback: StaleStateFabricCallback) -> None:
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_before_any_step))
+    _WATCHING.add(callback)
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch's global pre-step hook: each watching callback attaches to ``optimizer`` if it is its Fabric's."""
+    for callback in list(_WATCHING):
+        callback._before_first_step(optimizer)
 
 
 def _all_reduce_sum(strategy: Any, tensor: torch.Tensor) -> torch.Tensor:
