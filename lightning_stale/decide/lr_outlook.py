@@ -141,10 +141,17 @@ class LrOutlook:
     def __init__(self, path: np.ndarray, start: int, every: int) -> None:
         self.path, self.start, self.every = path, start, every
 
-    def peak(self, group: int) -> tuple[float, int]:
-        """The largest lr of ``group`` over the path and the first optimizer step that has it."""
-        row = int(np.argmax(self.path[:, group]))
-        return float(self.path[row, group]), self.start + row * self.every
+    def settled(self, group: int) -> tuple[float, int]:
+        """The lowest non-zero lr of ``group`` from the path's peak on (what a warm-up and decay settle at; the peak
+        where nothing after it is above 0) and the first optimizer step that has it (the last of a constant lr's)."""
+        column = self.path[:, group]
+        peak = int(np.argmax(column))
+        tail = column[peak:]
+        if not (tail > 0).any():
+            return float(column[peak]), self.start + peak * self.every
+        low = np.where(tail > 0, tail, np.inf)
+        row = peak + int(np.flatnonzero(low == low.min())[0])
+        return float(column[row]), self.start + row * self.every
 
     def ahead(self, step: int, steps: int) -> np.ndarray | None:
         """Each group's largest lr over optimizer steps ``step + 1`` to ``step + steps``, None where the path does not

@@ -264,16 +264,16 @@ class OptimizerPipeline:
 
     def training_lr(self, group: int, step: int) -> tuple[float | None, str]:
         """The lr the parameters of ``group`` will train at, judged at optimizer step ``step``, and what it is in
-        words: the largest lr of a followed schedule ahead (a warm-up's peak; the current lr where it only decays: a
-        parameter whose weights stall there stalls at every lr of the schedule, and the stall of a decay is measured
-        at the check steps as it comes), else the current lr. None where that lr is 0 (nothing would be judged but
-        the warm-up's start)."""
+        words: with a followed schedule, the lowest non-zero lr it reaches from its peak on (the lr a warm-up and
+        decay settle at: there the weights stall most, and the compensated write is in place before the lr gets
+        there; a constant schedule's lr, a warm-up's peak where nothing decays), else the current lr. None where that
+        lr is 0 (nothing would be judged but the warm-up's start)."""
         if self.outlook is not None:
-            lr, at = self.outlook.peak(group)
+            lr, at = self.outlook.settled(group)
             if lr <= 0:
                 return None, "the lr schedule ahead stays at 0"
-            return lr, ("the current lr, the largest of the lr schedule ahead" if at == step else
-                        f"the largest lr of the lr schedule ahead, from step {at}")
+            return lr, ("the current lr, which the lr schedule ahead keeps" if at == step else
+                        f"the lr the lr schedule settles at after its peak, from step {at}")
         lr = float(self.optimizer.param_groups[group]["lr"])
         if lr <= 0:
             return None, "the lr is 0 now and no lr schedule is followed"
