@@ -16,12 +16,19 @@ memory: the bytes per parameter it keeps beyond the weights and gradients (momen
 extra peak inside a step; ``--total`` sets the stack's size (``--total 1e9``: a 1B-parameter stack) and ``--only``
 keeps the configurations whose name contains one of its words (and the reference).
 
+``--part first``: what ``remedy="auto"`` costs on bf16 weights where it compiles, model by model (a tiny GPT-2 of 28
+tensors, the demo decoder of 17, LLaMA-shaped stacks of 66 and 291 tensors at 12M parameters): each in a fresh process
+with torch AdamW, every weight taken over from the first step, its first write (the graphs compiled: from an empty
+Inductor cache, then again with the cache the first process left) and then its optimizer step against the plain step
+(medians of alternating steps), with the pass compiled and eager.
+
 ``--part train``: the long plan's training step (the demo decoder, 17 tensors, bf16-true, batch 16 x 64 bytes):
 plain, with the monitor, and with the monitor and ``remedy="auto"`` once it has taken every weight over, for torch
 AdamW and bitsandbytes AdamW8bit; medians of alternating steps, as ratios to plain. Run::
 
     python benchmarks/weight_writeback.py --rounds 30
     python benchmarks/weight_writeback.py --part train --steps 200
+    python benchmarks/weight_writeback.py --part first
     python benchmarks/weight_writeback.py --device cuda --tensors 291 --total 1e9 --only fused auto kahan
 """
 
@@ -213,9 +220,84 @@ def run_train(steps: int) -> None:
             monitor.close()
 
 
+FIRST_MODELS = ("tiny GPT-2", "demo decoder", "LLaMA 66 tensors", "LLaMA 291 tensors")
+
+
+def first_parameters(model: str) -> list[torch.nn.Parameter]:
+    """bf16 parameters of ``model`` (one of :data:`FIRST_MODELS`) with fixed gradients."""
+    if model == "tiny GPT-2":
+        shapes = [(96, 64), (16, 64)] + [(64,), (64,), (64, 192), (192,), (64, 64), (64,), (64,), (64,), (64, 256),
+                                         (256,), (256, 64), (64,)] * 2 + [(64,), (64,)]
+    elif model == "demo decoder":
+        shapes = [tuple(p.shape) for p in Decoder(DecoderConfig(dim=64, hidden=176, context=64, n_layers=2,
+                                                                n_heads=4)).parameters()]
+    else:
+        shapes = llama_shapes(LAYERS[int(model.split()[1])])
+    return parameters(shapes)
+
+
+def first_in_process(model: str, steps: int) -> dict[str, float]:
+    """One process of ``--part first``: the first write's seconds, then the median step ratios."""
+    from lightning_stale import _compat
+
+    base = first_parameters(model)
+    configs = {}
+    for name in ("plain", "compiled", "eager"):
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in base]
+        for p, b in zip(ps, base):
+            p.grad = b.grad.clone()
+        opt = torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1)
+        if name != "plain":
+            monitor = StaleStateMonitor(opt, weights="compensated+moments")
+            configs[f"{name} monitor"] = monitor  # kept alive
+        configs[name] = opt
+    threshold = _compat.COMPILE_MIN_NUMEL
+    seconds: dict[str, list[float]] = {n: [] for n in ("plain", "compiled", "eager")}
+    first = 0.0
+    for step in range(steps + 2):
+        for name in ("plain", "compiled", "eager")[step % 3:] + ("plain", "compiled", "eager")[:step % 3]:
+            _compat.COMPILE_MIN_NUMEL = threshold if name == "compiled" else 1 << 62  # eager: never large enough
+            start = time.perf_counter()
+            configs[name].step()
+            elapsed = time.perf_counter() - start
+            if step == 1 and name == "compiled":
+                first = elapsed  # the first write (the state appears at step 0): the graphs compile here
+            elif step >= 2:
+                seconds[name].append(elapsed)
+    plain = seconds["plain"]
+    return {"elements": sum(p.numel() for p in base), "tensors": len(base), "first": first,
+            "plain_ms": 1e3 * statistics.median(plain),
+            **{name: statistics.median(t / p for t, p in zip(seconds[name], plain)) for name in ("compiled", "eager")}}
+
+
+def run_first(steps: int) -> None:
+    """Each model in a fresh process, twice: from an empty Inductor cache, then from the cache it left."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    print("| model | tensors | parameters | first write, empty cache (s) | first write, warm cache (s) | plain step | "
+          "auto compiled / plain | auto eager / plain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model in FIRST_MODELS:
+        with tempfile.TemporaryDirectory(prefix="inductor_first_") as cache:
+            runs = []
+            for _ in range(2):
+                out = subprocess.run([sys.executable, __file__, "--part", "first-one", "--model", model, "--steps",
+                                      str(steps)], capture_output=True, text=True, check=True,
+                                     env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        cold, warm = runs
+        print(f"| {model} | {warm['tensors']} | {warm['elements'] / 1e6:.2f}M | {cold['first']:.1f} | "
+              f"{warm['first']:.1f} | {warm['plain_ms']:.1f} ms | {warm['compiled']:.2f} | {warm['eager']:.2f} |",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("step", "train"), default="step")
+    parser.add_argument("--part", choices=("step", "train", "first", "first-one"), default="step")
+    parser.add_argument("--model", choices=FIRST_MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--tensors", type=int, nargs="+", default=sorted(LAYERS), choices=sorted(LAYERS))
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
@@ -232,6 +314,12 @@ def main() -> None:
     logging.getLogger("lightning_stale").setLevel(logging.WARNING)
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {platform.processor() or '?'}, "
           f"{torch.get_num_threads()} thread(s)")
+    if args.part == "first-one":
+        print(json.dumps(first_in_process(args.model, args.steps)))
+        return
+    if args.part == "first":
+        run_first(min(args.steps, 30))
+        return
     if args.part == "train":
         print("| optimizer | plain step | monitor / plain | monitor + auto / plain | tensors taken over |")
         print("|---|---|---|---|---|")
