@@ -49,7 +49,8 @@ def _from_v2(state: dict[str, Any]) -> dict[str, Any]:
         optimizers.append({
             "steps": saved["steps"],
             "engine": {"cursor": engine["cursor"], "shadows": engine["shadows"],
-                       "totals": {key: {"totals": row["totals"], "measured": row["host"][0]} for key, row in rows.items()}},
+                       "totals": {key: {"totals": row["totals"], "measured": row["host"][0]}
+                                  for key, row in rows.items()}},
             "forecast": {"window": {key: list(row["host"][1:3]) for key, row in rows.items()}},
             "schedule": saved["schedule"],
             "interventions": {"resets": state.get("reset_events", 0) if first else 0,

@@ -410,7 +410,8 @@ class Checkpoint:
     monitors: list[MonitorPart | None] = field(default_factory=list)  # per optimizer
     step: int | None = None  # the training loop's step (Lightning global_step, Hugging Face global_step)
     notes: list[str] = field(default_factory=list)
-    weights: dict[str, Tensor] = field(default_factory=dict)  # the model's tensors by name, where the checkpoint has them
+    # the model's tensors by name, where the checkpoint has them
+    weights: dict[str, Tensor] = field(default_factory=dict)
     optimizer_name: str | None = None  # the optimizer's class where the checkpoint names it (LitGPT's hyperparameters)
 
 

@@ -459,7 +459,8 @@ def _weights_line(weights: list[WeightRow]) -> str:
     share = sum(w.stall * w.counted for w in known) / sum(w.counted for w in known)
     lrs = sorted({w.lr for w in known if w.lr is not None})
     at = f"at the saved lr {lrs[0]:.3g}" if len(lrs) == 1 else "at the saved lrs"
-    return f"{head}; {at}, {share:.0%} of their elements would not move at the next step under nearest rounding (w stall)"
+    return (f"{head}; {at}, {share:.0%} of their elements would not move at the next step under nearest rounding "
+            "(w stall)")
 
 
 def legend(s0: float, weight: bool, monitor: bool, remedy: bool) -> list[str]:

@@ -6,8 +6,8 @@ import argparse
 import math
 import sys
 
-HELP = ("Predict how v stalls on a storage format (rho-hat, the settled stall share, its build-up after a reset) and the "
-        "theory's reset period K*, with what this project measured about resets there.")
+HELP = ("Predict how v stalls on a storage format (rho-hat, the settled stall share, its build-up after a reset) and "
+        "the theory's reset period K*, with what was measured about resets there.")
 
 # Names accepted by --format: the paper's float formats (theory.FORMAT_EPSILON's, spelled here so that --help does not
 # import torch) plus lightning_stale's scaled/grid formats.
@@ -92,7 +92,8 @@ def report(args: argparse.Namespace) -> list[str]:
     if horizon > 100 * fp32:
         memory += ": in this model v practically stops following new gradients"
     lines += [
-        f"  rho-hat                      {rho:.3g}  ({'>= 1: a settled v mostly stalls' if rho >= 1 else '< 1: v keeps moving'})",
+        f"  rho-hat                      {rho:.3g}  "
+        f"({'>= 1: a settled v mostly stalls' if rho >= 1 else '< 1: v keeps moving'})",
         f"  steady stall, nearest        {p_nr:.3f}  (share of v's updates that round back once v has settled)",
         f"  steady stall, stochastic     {p_sr:.3f}",
         f"  {f'v averages over ({args.rounding})':<29}{memory}",

@@ -191,7 +191,8 @@ class DriftReset(ResetPolicy):
         unit.period_source = "drift"
 
     def out_of_band(self, drift: np.ndarray, ages: np.ndarray) -> np.ndarray:
-        """Which parameters' drift readings (nan: none yet) lie outside the band, at ages of ``min_interval`` or more."""
+        """Which parameters' drift readings (nan: none yet) lie outside the band, at ages of ``min_interval`` or
+        more."""
         with np.errstate(invalid="ignore"):
             outside = (drift > self.band) | (drift < 1.0 / self.band)
         return outside & (ages >= self.min_interval)

@@ -226,10 +226,10 @@ class StallEngine:
         return self.panel.weight(key)
 
     def signals(self, recent: np.ndarray | None) -> np.ndarray:
-        """A check step's local readings, (units, SIGNAL_COLUMNS): per parameter the drift of its driver v slot where the
-        panel shadows it (drift * weight, weight) and, from ``recent`` counts, its v stored as zero and v counted, and
-        its weight's stalled and counted elements. Parameters are the same on every rank whatever each shard holds, so
-        these vectors add up across ranks."""
+        """A check step's local readings, (units, SIGNAL_COLUMNS): per parameter the drift of its driver v slot where
+        the panel shadows it (drift * weight, weight) and, from ``recent`` counts, its v stored as zero and v counted,
+        and its weight's stalled and counted elements. Parameters are the same on every rank whatever each shard
+        holds, so these vectors add up across ranks."""
         local = np.zeros((len(self.tracked), SIGNAL_COLUMNS))
         for key, value in self.drift().items():
             entry = self.entries[key]

@@ -25,7 +25,8 @@ def fit_start_report(adapter: OptimizerAdapter, engine: StallEngine, ledger: Led
     elements: Counter[str] = Counter()
     for unit in ledger.rows:
         for slot in unit.slots:
-            what = f"weights {slot.format}" if slot.moment == WEIGHT else f"{slot.moment} {slot.format} (beta={slot.beta})"
+            what = (f"weights {slot.format}" if slot.moment == WEIGHT else
+                    f"{slot.moment} {slot.format} (beta={slot.beta})")
             params[what] += 1
             elements[what] += slot.numel
     remedy_text = f"; remedy: {remedy!r}" if remedy is not None else ""

@@ -150,9 +150,10 @@ class MultiTensor:
     stand-ins of about :data:`COMPILE_NUMEL` elements and then called directly (dynamo's per-call work, most of a
     small call's cost, is done once), where the call passes what dynamo's guards would check (:meth:`_direct`), else
     through dynamo. Each kernel has its own code object, hence its own dynamo cache. Eagerly, flat tensors go through
-    in pieces of :func:`eager_chunk` elements (a piece's noise counter starts where it starts: the same bits). Should compiling fail, the eager loop is used from
-    then on (same bits). On the device of ``device_pass`` (CUDA: :class:`.triton_pass.TritonPass`, one kernel launch
-    per call) that pass runs instead, both compiled and not, and the eager loop where it declines."""
+    in pieces of :func:`eager_chunk` elements (a piece's noise counter starts where it starts: the same bits).
+    Should compiling fail, the eager loop is used from then on (same bits). On the device of ``device_pass`` (CUDA:
+    :class:`.triton_pass.TritonPass`, one kernel launch per call) that pass runs instead, both compiled and not, and
+    the eager loop where it declines."""
 
     def __init__(self, one: Callable[..., None], device_pass: TritonPass | None = None) -> None:
         self.one = one
