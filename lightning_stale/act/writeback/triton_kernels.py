@@ -167,14 +167,11 @@ def _adam_block(w, c, g, m, v, offsets, mask, one_minus_beta1, beta2, one_minus_
         _store_nearest(v, offsets, mask, vf, S)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "n", "row"])
-def adam_kernel(state, grads, numels, chunks, n_chunks, scalars, keys, n, row, W: tl.constexpr, G: tl.constexpr,
-                S: tl.constexpr, HAS_C: tl.constexpr, HAS_S: tl.constexpr, FLAG: tl.constexpr,
-                STOCHASTIC_W: tl.constexpr, STOCHASTIC_M: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr,
-                CHUNK: tl.constexpr, SECOND: tl.constexpr):
-    """Adam over one chunk. ``state``: int64 (4, n) addresses of w, c, m, v; ``grads``: int64 (n,); ``numels``:
-    int64 (n,); ``chunks``: int32 (2, n_chunks); ``scalars``: fp32 rows of ``row`` (``adam``'s eight); ``keys``:
-    int32 (n, 2). ``FLAG``: ``gradient_as_is``; ``HAS_S`` is always True (m and v exist)."""
+@triton.jit
+def _chunk(state, grads, numels, chunks, n_chunks, n, W: tl.constexpr, G: tl.constexpr, HAS_C: tl.constexpr,
+           ALIGN: tl.constexpr, CHUNK: tl.constexpr):
+    """This program's chunk: its tensor ``t``, the chunk's [start, end) there (int64), and the pointers of that
+    tensor's weight, residual (the weight's where there is none: never read) and gradient."""
     pid = tl.program_id(0)
     t = tl.load(chunks + pid)
     start = tl.load(chunks + n_chunks + pid).to(tl.int64) * CHUNK
@@ -184,7 +181,18 @@ def adam_kernel(state, grads, numels, chunks, n_chunks, scalars, keys, n, row, W
         c = _pointer(state, n + t, W, ALIGN)
     else:
         c = w
-    g = _pointer(grads, t, G, ALIGN)
+    return t, start, end, w, c, _pointer(grads, t, G, ALIGN)
+
+
+@triton.jit(do_not_specialize=["n_chunks", "n", "row"])
+def adam_kernel(state, grads, numels, chunks, n_chunks, scalars, keys, n, row, W: tl.constexpr, G: tl.constexpr,
+                S: tl.constexpr, HAS_C: tl.constexpr, HAS_S: tl.constexpr, FLAG: tl.constexpr,
+                STOCHASTIC_W: tl.constexpr, STOCHASTIC_M: tl.constexpr, ALIGN: tl.constexpr, BLOCK: tl.constexpr,
+                CHUNK: tl.constexpr, SECOND: tl.constexpr):
+    """Adam over one chunk. ``state``: int64 (4, n) addresses of w, c, m, v; ``grads``: int64 (n,); ``numels``:
+    int64 (n,); ``chunks``: int32 (2, n_chunks); ``scalars``: fp32 rows of ``row`` (``adam``'s eight); ``keys``:
+    int32 (n, 2). ``FLAG``: ``gradient_as_is``; ``HAS_S`` is always True (m and v exist)."""
+    t, start, end, w, c, g = _chunk(state, grads, numels, chunks, n_chunks, n, W, G, HAS_C, ALIGN, CHUNK)
     m = _pointer(state, 2 * n + t, S, ALIGN)
     v = _pointer(state, 3 * n + t, S, ALIGN)
     r = scalars + t * row
@@ -241,16 +249,7 @@ def sgd_kernel(state, grads, numels, chunks, n_chunks, scalars, keys, n, row, W:
                CHUNK: tl.constexpr, SECOND: tl.constexpr):
     """SGD over one chunk, as :func:`adam_kernel` with ``state`` int64 (3, n) addresses of w, c and the momentum
     buffer (``HAS_S``: there is one), ``scalars`` ``sgd``'s five, ``FLAG``: Nesterov."""
-    pid = tl.program_id(0)
-    t = tl.load(chunks + pid)
-    start = tl.load(chunks + n_chunks + pid).to(tl.int64) * CHUNK
-    end = tl.minimum(start + CHUNK, tl.load(numels + t))
-    w = _pointer(state, t, W, ALIGN)
-    if HAS_C:
-        c = _pointer(state, n + t, W, ALIGN)
-    else:
-        c = w
-    g = _pointer(grads, t, G, ALIGN)
+    t, start, end, w, c, g = _chunk(state, grads, numels, chunks, n_chunks, n, W, G, HAS_C, ALIGN, CHUNK)
     if HAS_S:
         b = _pointer(state, 2 * n + t, S, ALIGN)
     else:
