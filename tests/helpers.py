@@ -1,7 +1,8 @@
 """Helpers the test files share, imported as ``from helpers import ...`` (pytest puts ``tests/`` on ``sys.path``).
 
 The one optimizer factory every test names its optimizers with and, after Lightning's BoringModel, the regression
-module, Trainer and CSV reader of the Trainer tests. The ``*_worker.py`` subprocess scripts stay self-contained.
+module, Trainer and CSV reader of the Trainer tests, and the torch version check of the cases that need a newer torch
+than the package's floor. The ``*_worker.py`` subprocess scripts stay self-contained.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from packaging.version import Version
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 ONE_FAMILY_OPTIONS = {"min_8bit_size": "bnb", "min_quantized_size": "qadamw", "compile": "qadamw"}
 """Constructor options that one optimizer family takes: the others never receive them, so a test parametrized over
 kinds passes them once (e.g. ``min_8bit_size=256, compile=False``)."""
+
+
+def torch_older_than(release: str) -> bool:
+    """Whether the installed torch is an older release than ``release`` (``"2.7"``); build tags (``+cu124``) and
+    pre-release tags of the same release count as that release."""
+    return Version(torch.__version__).release < Version(release).release
 
 
 def make_optimizer(kind: str, params, lr: float = 1e-3, betas: tuple[float, ...] | None = None,

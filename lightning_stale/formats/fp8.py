@@ -51,7 +51,12 @@ class Fp8E4M3Format(StateFormat):
 
     def quantize_with_noise(self, x: Tensor, noise: Tensor | None) -> QuantizedState:
         amax = x.abs().amax() if x.numel() else x.new_zeros(())
-        scale = (amax / FP8_MAX).clamp(min=1e-12).reshape(1)
+        # The quotient in fp64, then rounded to fp32: the correctly rounded fp32 quotient whether it is computed as a
+        # division (eager on CPU) or as a product by the reciprocal (torch.compile on GPUs and on torch 2.6's CPU,
+        # CUDA's eager division by a number), so compiled and eager steps store the same scale. An fp32 product is an
+        # ulp off in about half the cases; the fp64 one is within 2^-28 ulp of the quotient, which lies at least 1/14
+        # ulp from a rounding boundary (a 24-bit significand divided by 7).
+        scale = (amax.double() / FP8_MAX).float().clamp(min=1e-12).reshape(1)
         scaled = (x / scale).clamp_(-FP8_MAX, FP8_MAX)
         if noise is not None:
             scaled = stochastic_round_float(scaled, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, FP8_MAX, noise)
