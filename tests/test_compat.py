@@ -3,6 +3,7 @@ packages (so an upstream rename fails here, in CI, not inside a training run) an
 
 from __future__ import annotations
 
+import logging
 import types
 
 import lightning as L
@@ -313,3 +314,23 @@ def test_the_floors_file_is_pyprojects_lower_bounds():
     floors.pop("setuptools")  # the build backend's, not a dependency
     floors.pop("requests")  # any release the tests' HTTP stand-ins run on
     assert {name: Version(v) for name, v in pins.items()} == {name: Version(v) for name, v in floors.items()}
+
+
+@pytest.mark.parametrize("version", ["3.2.0", "3.3.1+git5a3c7"])
+def test_an_older_triton_leaves_the_cuda_write_back_to_the_eager_ops(version, caplog):
+    """Triton before 3.4 (torch 2.6 and 2.7 pin 3.2 and 3.3) cannot run the write-back's kernels: the CUDA pass
+    declines before touching anything, says so once, and the caller's eager ops write the same bits."""
+    from lightning_stale.act.writeback import triton_pass
+
+    kernels = types.SimpleNamespace(triton=types.SimpleNamespace(__version__=version))
+    step = triton_pass.TritonPass("adam", device_type="cpu", kernels=kernels)
+    columns = [[torch.ones(5, dtype=torch.bfloat16)], [None], [torch.ones(5)]] + [
+        [torch.zeros(5, dtype=torch.bfloat16)] for _ in range(2)]
+    before = [[None if t is None else t.clone() for t in column] for column in columns]
+    rows = [torch.zeros(1, 8), torch.zeros(1, 2, dtype=torch.int32)]
+    with caplog.at_level(logging.INFO, logger="lightning_stale"):
+        assert not step(columns, rows, ("nearest", "nearest", True), True, {})
+        assert not step(columns, rows, ("nearest", "nearest", True), True, {})
+    assert all(a is b or torch.equal(a, b) for x, y in zip(columns, before) for a, b in zip(x, y))
+    said = [r.getMessage() for r in caplog.records if "Triton kernel does not take" in r.getMessage()]
+    assert len(said) == 1 and f"Triton {version} is older than 3.4" in said[0], said

@@ -12,6 +12,7 @@ tensor is touched: the caller then runs its eager ops (the same bits), and the r
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -30,6 +31,7 @@ ALIGNMENT = 16  # bytes: where every address of a bucket is a multiple, the kern
 STATE_DTYPES = (torch.bfloat16, torch.float16)  # weights, residuals and moments
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KERNELS = {"adam": "adam_kernel", "sgd": "sgd_kernel"}
+TRITON_MIN = (3, 4)  # the oldest Triton the kernels are checked on (3.2's interpreter cannot run them; torch 2.8+)
 
 
 class _Tables:
@@ -111,6 +113,7 @@ class TritonPass:
                  block: int = BLOCK, chunk: int = CHUNK) -> None:
         self.kernel, self.device_type, self.block, self.chunk = KERNELS[kernel], device_type, block, chunk
         self._kernels = kernels
+        self._loaded = False
         self.failed: str | None = None  # why no kernel runs in this process (no Triton, a failed launch)
         self._said: set[str] = set()
 
@@ -119,7 +122,7 @@ class TritonPass:
         """The update of the bucket ``columns`` (w, c, g, then the moments), ``rows`` (scalars, noise keys) and
         ``flags`` (weights' rounding, moments' rounding, the family's flag) in one launch: True; else False, and
         the reason logged once. ``cache``: the bucket's own dict, which keeps its tables from step to step."""
-        why = self.failed or self._load()
+        why = self._load()
         if why is None:
             tables = self._tables(columns, flat, cache)
             why = tables if isinstance(tables, str) else (
@@ -145,12 +148,20 @@ class TritonPass:
         return tables
 
     def _load(self) -> str | None:
-        """Import the kernels at the first call; why not, where they cannot be imported (then for good)."""
-        if self._kernels is None:
+        """Import the kernels at the first call; why not, where they cannot be imported or their Triton is older
+        than :data:`TRITON_MIN` (then for good)."""
+        if not self._loaded:
+            self._loaded = True
             try:
-                self._kernels = importlib.import_module("lightning_stale.act.writeback.triton_kernels")
+                if self._kernels is None:
+                    self._kernels = importlib.import_module("lightning_stale.act.writeback.triton_kernels")
+                version = self._kernels.triton.__version__
             except Exception as error:  # noqa: BLE001 - no (working) Triton: the eager ops
                 self.failed = f"Triton is unavailable: {error}"
+            else:
+                if _release(version) < TRITON_MIN:
+                    self.failed = (f"Triton {version} is older than {'.'.join(map(str, TRITON_MIN))}, the oldest "
+                                   "its kernels are checked on")
         return self.failed
 
     def _grads(self, tables: _Tables, grads: Sequence[Tensor]) -> str | None:
@@ -189,3 +200,8 @@ class TritonPass:
             self.failed = f"its launch failed: {type(error).__name__}: {error}"
             return self.failed
         return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The (major, minor) of a version string such as ``"3.4.0+git1234"``."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
