@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from helpers import torch_older_than
 from lightning_stale import _compat
 from lightning_stale.act.writeback import kernels
 from lightning_stale.act.writeback.families import torch_adam
@@ -143,13 +144,15 @@ def test_multi_tensor_compile_sets_and_restores_its_settings():
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
+    limit = _compat.recompile_limit_name(dynamo_config)  # cache_size_limit before torch 2.7
+
     def settings():
-        return inductor_config.size_asserts, dynamo_config.recompile_limit
+        return inductor_config.size_asserts, getattr(dynamo_config, limit)
 
     before = settings()
     with pytest.raises(RuntimeError, match="inside"), _compat.multi_tensor_compile():
         assert not inductor_config.size_asserts
-        assert dynamo_config.recompile_limit >= 64
+        assert getattr(dynamo_config, limit) >= 64
         raise RuntimeError("inside")
     assert settings() == before
 
@@ -171,7 +174,8 @@ def test_the_graph_limit_is_found_under_either_name_and_restored(monkeypatch):
     """torch 2.7 renamed dynamo's ``cache_size_limit`` to ``recompile_limit`` (the old name an alias since)."""
     import torch._dynamo.config as dynamo_config
 
-    assert _compat.recompile_limit_name(dynamo_config) == "recompile_limit"
+    own = "cache_size_limit" if torch_older_than("2.7") else "recompile_limit"
+    assert _compat.recompile_limit_name(dynamo_config) == own
     assert _compat.recompile_limit_name(types.SimpleNamespace(cache_size_limit=8)) == "cache_size_limit"
     assert _compat.recompile_limit_name(types.SimpleNamespace()) is None
     monkeypatch.setattr(_compat, "recompile_limit_name", lambda config: "cache_size_limit")

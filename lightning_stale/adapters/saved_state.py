@@ -118,8 +118,8 @@ def read_optimizer(state_dict: Any, shapes: Mapping[int, tuple[int, ...]] | None
 
 def optimizer_name(family: str, entries: Entries, groups: Sequence[Mapping[str, Any]]) -> str:
     """The optimizer's class as far as its saved state tells it, with its family: torch.optim's param groups name
-    their class by their keys (Adam and AdamW by ``decoupled_weight_decay``, which torch >= 2.6 saves); where the
-    state cannot tell classes apart, each candidate is named."""
+    their class by their keys (Adam and AdamW by ``decoupled_weight_decay``, which torch 2.6's groups lack); where
+    the state cannot tell classes apart, each candidate is named."""
     group = groups[0] if groups else {}
     keys = _keys(entries)
     if family == "torch.optim":

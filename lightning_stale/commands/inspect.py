@@ -191,7 +191,9 @@ def build_report(path: str, s0: float = 0.6, trusted: bool = False) -> Report:
         prefix = f"opt{part.index if part is not None else i}"
         groups = [group for group in saved.groups for _ in group.get("params", [])]  # each position's group
         name = _named(saved.name, saved.family, checkpoint.optimizer_name)
-        decoupled = name.startswith("AdamW") or saved.family == "lightning_stale"  # unless a group says otherwise
+        # AdamW's decoupled decay unless a group says otherwise or the class is Adam (where the state cannot tell
+        # the two apart, as on torch 2.6, the common AdamW)
+        decoupled = name.startswith(("AdamW", "Adam or AdamW")) or saved.family == "lightning_stale"
         rows = []
         for p in saved.params:
             unit = f"{prefix}.{p.index}"
