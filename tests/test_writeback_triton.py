@@ -279,7 +279,8 @@ def test_the_write_back_through_the_kernel_is_the_eager_write_back(interpreted, 
         return [p.detach().clone() for p in net.parameters()] + checks.state_tensors(opt), tables
 
     launches: list = []
-    counted = types.SimpleNamespace(triton=interpreted.triton, tl=interpreted.tl, adam_kernel=_Counted(interpreted.adam_kernel, launches),
+    counted = types.SimpleNamespace(triton=interpreted.triton, tl=interpreted.tl,
+                                    adam_kernel=_Counted(interpreted.adam_kernel, launches),
                                     sgd_kernel=_Counted(interpreted.sgd_kernel, launches))
     (got, tables), (expected, _) = run(interpreted_pass(counted, kind)), run(None)
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -307,7 +308,8 @@ def test_what_the_kernel_cannot_take_runs_eagerly_once_said(interpreted, caplog)
     check(MultiTensor(adam, interpreted_pass(interpreted, "adam")), float64, rows)
     check(MultiTensor(adam, interpreted_pass(interpreted, "adam")), columns, rows, flat=False)
 
-    failing = interpreted_pass(types.SimpleNamespace(triton=interpreted.triton, tl=interpreted.tl, adam_kernel=_Failing()), "adam")
+    failing = interpreted_pass(types.SimpleNamespace(triton=interpreted.triton, tl=interpreted.tl,
+                                                     adam_kernel=_Failing()), "adam")
     check(MultiTensor(adam, failing), columns, rows)
     assert failing.failed and "out of resources" in failing.failed
     said = [r.getMessage() for r in caplog.records if "Triton kernel does not take" in r.getMessage()]
