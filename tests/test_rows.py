@@ -5,6 +5,7 @@ checkpoint was loaded) gets its values back, on the live state's device and dtyp
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -98,6 +99,35 @@ def test_counts_stash_a_departed_slot_and_restore_it_on_the_state_dtype() -> Non
     counts.rebuild(entries)
     assert all(t.dtype == torch.float64 and t.device == entries[first].slot.param.device
                for t in counts.totals.values())
+
+
+@pytest.mark.parametrize("per_step", [False, True])
+def test_counts_carry_the_recent_sums_a_check_has_not_taken_yet(per_step: bool) -> None:
+    """The counts since the last check (which the automatic remedy's weight decision and the adaptive policy read at
+    the next check) travel in the state: a resumed run's next check reads what the uninterrupted run's reads."""
+    engine, _ = _engine()
+    entries = engine.entries
+    counts = Counts(recent=True, per_step=per_step)
+    counts.rebuild(entries)
+    for device, recent in counts.recent.items():  # two measured steps' sums, as _add and end_step leave them
+        values = torch.arange(recent[0].numel(), dtype=torch.int32, device=device).view_as(recent[0]) + 1
+        recent[0] = values if per_step else values * (torch.arange(4, device=device) < 3)
+        counts.end_step()
+        if per_step:
+            counts.recent[device][1] = values * 2
+            counts.end_step()
+    state = counts.state_dict()
+    resumed = Counts(recent=True, per_step=per_step)
+    resumed.load_state_dict(state)
+    resumed.rebuild(entries)
+    (sums, steps), (expected, expected_steps) = resumed.take_recent(), counts.take_recent()
+    assert expected.any() and np.array_equal(sums, expected)
+    assert len(steps) == len(expected_steps) == (2 if per_step else 0)
+    assert all(np.array_equal(a, c) and np.array_equal(b, d) for (a, b), (c, d) in zip(steps, expected_steps))
+    taken = Counts(recent=True, per_step=per_step)  # after a check took them, nothing is pending
+    taken.load_state_dict(resumed.state_dict())
+    taken.rebuild(entries)
+    assert not taken.take_recent()[0].any()
 
 
 def test_drift_panel_stashes_the_shadow_of_a_departed_slot_and_restores_it() -> None:

@@ -176,7 +176,8 @@ class Counts:
         totals = {d: torch.zeros(len(g), 3, dtype=torch.float64, device=d) for d, g in groups.items()}
         measured = np.zeros(len(entries))
         moves = self.rows.rebuild(entries, self._saved)
-        steps = max([self.steps] + [len(saved.get("recent", ())) for saved in moves.returned.values()])
+        steps = max([self.steps] + [len(saved.get("recent", ())) for saved in moves.returned.values()]) \
+            if self.per_step else 0
         slots = max(1, 2 * steps) if self.per_step else 1
         recent = {d: torch.zeros(slots, len(g), RECENT_COLUMNS, dtype=torch.int32, device=d)
                   for d, g in groups.items()} if self.keep_recent else {}
@@ -193,9 +194,12 @@ class Counts:
                     saved = moves.returned[entry.key]
                     totals[device][local] = saved["totals"].to(totals[device])
                     measured[entry.row] = saved["measured"]
-                    if self.per_step and saved.get("recent"):
-                        pending = torch.tensor(saved["recent"], dtype=torch.int32)
-                        recent[device][:len(pending), local] = pending.to(device)
+                    if self.keep_recent and saved.get("recent"):
+                        pending = torch.tensor(saved["recent"], dtype=torch.int32).to(device)
+                        if self.per_step:
+                            recent[device][:len(pending), local] = pending
+                        else:  # one slot that every measured step adds into
+                            recent[device][0, local, :3] += pending[:, :3].sum(0)
         self.totals, self.measured, self.recent, self.steps = totals, measured, recent, steps
         self._where = {e.key: d for d, g in groups.items() for e in g}
         self.local_row = {e.key: local for g in groups.values() for local, e in enumerate(g)}
@@ -298,16 +302,17 @@ class Counts:
         return [*self.totals.values(), *self.recent.values()]
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
-        """Every slot's sums by key (one host read per device), with those of slots not held now; with ``per_step``,
-        its measured steps not taken yet too (a resumed run delivers them where the uninterrupted one would)."""
+        """Every slot's sums by key (one host read per device), with those of slots not held now, and the recent sums
+        not taken yet (a resumed run's next check reads what the uninterrupted one's would): with ``per_step`` each
+        measured step's, else the one slot's where it holds any."""
         host = {device: totals.cpu() for device, totals in self.totals.items()}
-        pending = {device: recent[:self.steps].cpu() for device, recent in self.recent.items()} \
-            if self.per_step and self.steps else {}
+        slots = self.steps if self.per_step else 1
+        pending = {device: recent[:slots].cpu() for device, recent in self.recent.items()} if slots else {}
         held = {}
         for row, key in enumerate(self.rows.keys):
             where, local = self._where[key], self.local_row[key]
             held[key] = {"totals": host[where][local].clone(), "measured": float(self.measured[row])}
-            if where in pending:
+            if where in pending and (self.per_step or bool(pending[where][:, local].any())):
                 held[key]["recent"] = pending[where][:, local].tolist()
         return self.rows.state_dict(held)
 

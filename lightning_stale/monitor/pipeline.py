@@ -392,7 +392,8 @@ class OptimizerPipeline:
     # -- checkpointing -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state = {"steps": self.steps, "engine": self.engine.state_dict(), "forecast": self.forecast.state_dict(),
-                 "ledger": self.ledger.state_dict(), "interventions": self.interventions.state_dict()}
+                 "ledger": self.ledger.state_dict(), "interventions": self.interventions.state_dict(),
+                 "check_lrs": self.check_lrs}
         if self.writeback is not None:
             state["weights"] = self.writeback.state_dict()
         return state
@@ -405,6 +406,7 @@ class OptimizerPipeline:
         self.forecast.load_state_dict(state["forecast"] if counts else {})
         self.ledger.load_state_dict(state["ledger"] if periods else without_periods(state["ledger"]))
         self.interventions.load_state_dict(state["interventions"])
+        self.check_lrs = state.get("check_lrs")  # whether the lr still rises, at the next check (older states: none)
         if self.writeback is not None and "weights" in state:
             self.writeback.load_state_dict(state["weights"])
         self.adopted = -1
