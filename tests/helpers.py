@@ -132,3 +132,35 @@ def read_metrics(trainer: L.Trainer) -> list[dict[str, str]]:
 def logged(trainer: L.Trainer, key: str) -> list[float]:
     """The values logged under ``key``, in step order, skipping the rows that do not have it."""
     return [float(r[key]) for r in read_metrics(trainer) if r.get(key)]
+
+
+def stepped(opt: torch.optim.Optimizer, params: list[nn.Parameter], steps: int = 2) -> None:
+    """``steps`` optimizer steps on fixed random gradients (a generator of its own, in each parameter's dtype)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+
+
+def twin_guarded(kind: str, count: bool, lr: float = 1e-3) -> list[torch.Tensor]:
+    """m codes of a stepped optimizer of ``kind`` (:func:`make_optimizer`; a 65,536 + 4,096-element pair, so the
+    guard's compiled pass runs where a compiler exists) after zeroing every 13th v element and guarding, with or
+    without counting: the two must agree bit for bit."""
+    from lightning_stale.act.guard import guard_underflow
+    from lightning_stale.adapters import adapter_for
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if kind == "torch_bf16" else torch.float32
+    params = [nn.Parameter(torch.randn(256, 256).to(dtype)), nn.Parameter(torch.randn(4096).to(dtype))]
+    opt = make_optimizer(kind, params, lr=lr)
+    stepped(opt, params)
+    slots = adapter_for(opt).slots()
+    for s in slots:
+        if s.moment == "v":
+            mask = torch.zeros(s.numel, dtype=torch.bool)
+            mask[::13] = True
+            s.zero_elements(mask)
+    guard_underflow(slots, count=count)
+    return [s.codes().clone() for s in slots if s.moment == "m"]
+

@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
+from helpers import twin_guarded
 from lightning_stale import _compat
 
 
@@ -70,31 +71,6 @@ def test_distinct_sizes_turns_duck_shaping_off_inside_and_back_after():
     assert fx_config.use_duck_shape == before
 
 
-def _guarded_bnb(count: bool) -> list[torch.Tensor]:
-    """8-bit m codes of a stepped bitsandbytes AdamW8bit after zeroing every 13th v code and guarding (a 65,536-element
-    pair: the compiled pass where a compiler exists)."""
-    import bitsandbytes as bnb
-
-    from lightning_stale.act.guard import guard_underflow
-    from lightning_stale.adapters import adapter_for
-
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(256, 256)), torch.nn.Parameter(torch.randn(4096))]
-    opt = bnb.optim.AdamW8bit(params, lr=1e-3)
-    for _ in range(2):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.step()
-    slots = adapter_for(opt).slots()
-    for slot in slots:
-        if slot.moment == "v":
-            mask = torch.zeros(slot.numel, dtype=torch.bool)
-            mask[::13] = True
-            slot.zero_elements(mask)
-    guard_underflow(slots, count=count)
-    return [slot.codes().clone() for slot in slots if slot.moment == "m"]
-
-
 def test_without_the_duck_shape_setting_the_guard_runs_under_torchs_default(monkeypatch):
     """A torch without ``use_duck_shape`` (2.4's config has none): the guard's pass compiles and runs under the default
     duck shaping and writes the same bits as the exact masks; no error, no fallback to eager ops."""
@@ -114,7 +90,7 @@ def test_without_the_duck_shape_setting_the_guard_runs_under_torchs_default(monk
     monkeypatch.setattr(guard, "_fused_failed", False)
     with _compat.distinct_sizes():
         pass
-    assert all(torch.equal(a, b) for a, b in zip(_guarded_bnb(count=True), _guarded_bnb(count=False)))
+    assert all(torch.equal(a, b) for a, b in zip(twin_guarded("bnb", count=True), twin_guarded("bnb", count=False)))
     assert not guard._fused_failed
 
 

@@ -47,13 +47,13 @@ OPTIMIZERS = {
 
 
 def plain_loop(optimizer: torch.optim.Optimizer, ps: list[nn.Parameter], syncs: HostSyncCounter, steps: int = STEPS,
-               missing: int | None = None, **options) -> StaleStateMonitor:
-    """A plain loop under ``syncs``: gradients set directly, made on the parameters' device (``device=``: a tensor
-    made without one would be a host tensor to the counter), parameter ``missing`` without one on every other step;
-    a row logged every EVERY steps."""
+               missing: int | None = None, first: int = 1, **options) -> StaleStateMonitor:
+    """A plain loop under ``syncs`` from step ``first``: gradients set directly, made on the parameters' device
+    (``device=``: a tensor made without one would be a host tensor to the counter), parameter ``missing`` without one
+    on every other step; a row logged every EVERY steps."""
     monitor = StaleStateMonitor(optimizer, coverage_steps=EVERY, **options)
-    g = torch.Generator().manual_seed(1)
-    for step in range(1, steps + 1):
+    g = torch.Generator().manual_seed(first)
+    for step in range(first, first + steps):
         for i, p in enumerate(ps):
             p.grad = None if i == missing and step % 2 else \
                 torch.randn(p.shape, generator=g, device=p.device).to(p.dtype) * 1e-2  # made on the device
@@ -144,17 +144,7 @@ def test_after_a_resume(kind):
     optimizer = OPTIMIZERS[kind](resumed)
     optimizer.load_state_dict(saved["optimizer"])
     with HostSyncCounter() as syncs:
-        monitor = StaleStateMonitor(optimizer, coverage_steps=EVERY, remedy="auto", weights="compensated")
-        monitor.load_state_dict(saved["monitor"])
-        for step in range(7, 7 + STEPS):
-            for p in resumed:
-                p.grad = torch.randn_like(p) * 1e-2  # like p: on its device
-            optimizer.step()
-            optimizer.zero_grad()
-            if step % EVERY == 0:
-                syncs.mark_logging()
-                monitor.compute()
-                monitor.reset_window()
+        plain_loop(optimizer, resumed, syncs, first=7, state=saved["monitor"], remedy="auto", weights="compensated")
     assert_quiet(syncs, after=2)
 
 

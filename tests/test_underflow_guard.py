@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers import logged, make_optimizer, trainer_for
+from helpers import logged, make_optimizer, stepped, trainer_for, twin_guarded
 from lightning_stale import StaleStateCallback, StaleStateMonitor
 from lightning_stale.optim import QuantizedAdamW
 from lightning_stale.act.guard import guard_underflow
@@ -116,20 +116,12 @@ def _check_guard(slots: list[Slot], inject: dict[int, torch.Tensor]) -> None:
     assert int(guard_underflow(slots, count=True)) == 0  # idempotent
 
 
-def _stepped(opt: torch.optim.Optimizer, params: list[nn.Parameter], steps: int = 2) -> None:
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-        opt.step()
-
-
 def test_guard_on_bitsandbytes_8bit_and_fp32_fallback_state():
     import bitsandbytes as bnb
 
     params = [nn.Parameter(torch.randn(64, 128)), nn.Parameter(torch.randn(100))]  # 8-bit, and fp32 (< 4096)
     opt = bnb.optim.AdamW8bit(params, lr=LR)
-    _stepped(opt, params)
+    stepped(opt, params)
     slots = adapter_for(opt).slots()
     assert {type(s).__name__ for s in slots} == {"BlockQmapSlot", "FloatSlot"}
     _check_guard(slots, {id(params[0]): torch.arange(0, 8192, 7), id(params[1]): torch.arange(0, 100, 3)})
@@ -138,7 +130,7 @@ def test_guard_on_bitsandbytes_8bit_and_fp32_fallback_state():
 def test_guard_on_torch_adamw_bf16_state():
     params = [nn.Parameter(torch.randn(300).bfloat16())]
     opt = torch.optim.AdamW(params, lr=LR)
-    _stepped(opt, params)
+    stepped(opt, params)
     _check_guard(adapter_for(opt).slots(), {id(params[0]): torch.tensor([0, 5, 299])})
 
 
@@ -197,23 +189,6 @@ def test_underflow_guard_argument_must_be_a_bool(value):
         StaleStateCallback(underflow_guard=value)
 
 
-def _twin_guarded(kind: str, count: bool) -> list[torch.Tensor]:
-    """m codes after injecting v zeros into a stepped optimizer of ``kind`` and guarding with or without counting."""
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if kind == "torch_bf16" else torch.float32
-    params = [nn.Parameter(torch.randn(256, 256).to(dtype)), nn.Parameter(torch.randn(4096).to(dtype))]
-    opt = make_optimizer(kind, params, lr=LR)
-    _stepped(opt, params)
-    slots = adapter_for(opt).slots()
-    for s in slots:
-        if s.moment == "v":
-            mask = torch.zeros(s.numel, dtype=torch.bool)
-            mask[::13] = True
-            s.zero_elements(mask)
-    guard_underflow(slots, count=count)
-    return [s.codes().clone() for s in slots if s.moment == "m"]
-
-
 @pytest.mark.parametrize("kind", ["bnb", "torch_fp32", "torch_bf16", "qadamw:int8_dynamic", "qadamw:fp8_e4m3", "qadamw:bf16", "torchao"])
 def test_the_one_pass_guard_writes_what_the_counting_guard_writes(kind):
     """Without ``count`` the guard takes one pass per (v, m) pair (fused for the 65,536-element tensor where a
@@ -222,7 +197,7 @@ def test_the_one_pass_guard_writes_what_the_counting_guard_writes(kind):
 
     if kind == "torchao":
         pytest.importorskip("torchao.optim")
-    counted, fast = _twin_guarded(kind, count=True), _twin_guarded(kind, count=False)
+    counted, fast = twin_guarded(kind, count=True), twin_guarded(kind, count=False)
     assert all(torch.equal(a, b) for a, b in zip(counted, fast))
     assert not guard._fused_failed
 
@@ -236,9 +211,9 @@ def test_the_guard_falls_back_to_eager_ops_when_compiling_fails(monkeypatch):
     monkeypatch.setattr(guard, "_fused", lambda: broken)
     monkeypatch.setattr(guard, "_fused_failed", False)
     monkeypatch.setattr(guard._compat, "compiler_available", lambda: True)
-    fast = _twin_guarded("bnb", count=False)
+    fast = twin_guarded("bnb", count=False)
     assert guard._fused_failed
-    assert all(torch.equal(a, b) for a, b in zip(_twin_guarded("bnb", count=True), fast))
+    assert all(torch.equal(a, b) for a, b in zip(twin_guarded("bnb", count=True), fast))
 
 
 @pytest.mark.parametrize("words", [37, 200], ids=["slices-of-a-row", "rows"])
@@ -250,8 +225,8 @@ def test_the_eager_guard_in_slices_writes_what_the_counting_guard_writes(kind, w
 
     monkeypatch.setattr(guard, "_fused_failed", True)
     monkeypatch.setattr(guard, "EAGER_WORDS", words)
-    fast = _twin_guarded(kind, count=False)
-    assert all(torch.equal(a, b) for a, b in zip(_twin_guarded(kind, count=True), fast))
+    fast = twin_guarded(kind, count=False)
+    assert all(torch.equal(a, b) for a, b in zip(twin_guarded(kind, count=True), fast))
 
 
 def test_guard_does_no_work_where_v_is_fp32():
